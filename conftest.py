@@ -1,0 +1,38 @@
+"""Repository-wide pytest set-up.
+
+Triton reads TRITON_INTERPRET when a kernel is *decorated*, so the switch must be made here, before any
+`kernel_lab.ops` module is imported. On a machine without CUDA every Triton kernel then runs through the
+interpreter on CPU tensors; on a GPU machine the variable is left alone and kernels compile for the device.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device a correctness test runs on: the GPU when present, else CPU through the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def reference_only(monkeypatch):
+    """Make kernel_lab.ops take the PyTorch reference path on CPU (used by engine and server tests,
+    where interpreting every kernel of a 30-layer model would take minutes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -1,0 +1,1 @@
+"""Measurement and checking harness. It knows nothing about the kernels it measures."""

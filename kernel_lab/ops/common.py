@@ -1,0 +1,94 @@
+"""The dispatch rule and the input checks shared by every op.
+
+Dispatch rule (docs/architecture.md): CUDA tensors run the GPU kernel. CPU tensors run the PyTorch
+reference, unless TRITON_INTERPRET=1 is set, in which case Triton kernels run through the interpreter.
+The variable is read at call time, so a test can switch a CPU caller back to the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when `t` should go to a Triton kernel (on the GPU, or through the interpreter on CPU)."""
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and interpreter_active()
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    ndim: int | None = None,
+    min_ndim: int | None = None,
+) -> torch.Tensor:
+    """Raise TypeError/ValueError naming `name` if `t` is not a tensor of the expected dtype and rank."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All non-None tensors must live on one device; returns it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for n, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}; all must share a device")
+    return first.device
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}")
+
+
+def check_out(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    """Validate a caller-provided output buffer."""
+    if out is None:
+        return
+    check_tensor(name, out, dtypes=(dtype,))
+    check_shape(name, out, shape)
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}, expected {device}")
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor | None:
+    """View `x[..., H]` as 2-D `[rows, H]` without copying, or None when the leading dims cannot be
+    flattened into one stride (then the caller copies)."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None

@@ -1,0 +1,213 @@
+"""Project 01: RMSNorm and fused residual-add + RMSNorm.
+
+    y = x / sqrt(mean(x^2) + eps) * weight            (computed in fp32, stored in x's dtype)
+
+Memory traffic per row of H elements (b bytes each): read x, write y -> 2*H*b (+ H weight bytes, which
+stay in L2 across rows). The fused variant also reads the residual and writes the new residual:
+4*H*b. The kernel is bandwidth bound at every practical H, so the goal is one pass over memory with
+128-bit loads; compute is a handful of FLOPs per byte.
+
+Two kernels:
+- `_rms_norm_row_kernel`: the whole row lives in registers (H <= FUSED_MAX_H). One read, one write.
+- `_rms_norm_looped_kernel`: for very long rows the row no longer fits in registers without spilling,
+  so the row is streamed in CHUNK-sized pieces twice (sum of squares, then normalise). The second read
+  usually hits L2, since one row is at most a few hundred KiB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, rows_view, use_triton
+
+FUSED_MAX_H = 16384  # above this the looped kernel is used; see compile tests for the spill-free proof
+LOOP_CHUNK = 4096
+
+
+# --------------------------------------------------------------------------------------------- reference
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(x, residual, weight, eps=1e-6):
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+# --------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _rms_norm_row_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0)
+        # The new residual is rounded to the activation dtype first, exactly as an unfused add would be,
+        # and the norm is taken of that rounded value.
+        summed = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * res_out_row_stride + cols, summed, mask=mask)
+        x = summed
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_looped_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps,
+    CHUNK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, H, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < H
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + row * res_out_row_stride + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    # Second pass re-reads what the first pass produced (the new residual when fused).
+    if HAS_RESIDUAL:
+        src_row = res_out_ptr + row * res_out_row_stride
+    else:
+        src_row = x_row
+    for start in range(0, H, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < H
+        xf = tl.load(src_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_row_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_config(H: int) -> tuple[bool, int, int]:
+    """(looped, block, num_warps) for a row of H elements.
+
+    The row kernel keeps BLOCK = next_pow2(H) elements in registers; with 8 warps each thread holds
+    BLOCK/256 elements, i.e. whole 128-bit vectors from H = 2048 (fp16/bf16) upward.
+    """
+    if H > FUSED_MAX_H:
+        return True, LOOP_CHUNK, 8
+    block = triton.next_power_of_2(H)
+    num_warps = max(1, min(16 if block >= 16384 else 8, block // 256))
+    return False, block, num_warps
+
+
+def _launch(x2, res2, weight, out2, res_out2, eps: float) -> None:
+    rows, H = x2.shape
+    if rows == 0:
+        return
+    looped, block, num_warps = launch_config(H)
+    has_res = res2 is not None
+    args = (
+        x2, res2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
+        H, x2.stride(0), res2.stride(0) if has_res else 0, out2.stride(0),
+        res_out2.stride(0) if has_res else 0, eps,
+    )
+    if looped:
+        _rms_norm_looped_kernel[(rows,)](*args, CHUNK=block, HAS_RESIDUAL=has_res, num_warps=num_warps)
+    else:
+        _rms_norm_row_kernel[(rows,)](*args, BLOCK=block, HAS_RESIDUAL=has_res, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------------------------- public ops
+def _validate(x, weight, eps, residual=None):
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=1)
+    if x.shape[-1] < 1:
+        raise ValueError(f"x's last dimension (hidden size) must be >= 1, got shape {tuple(x.shape)}")
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,))
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_device(x=x, weight=weight, residual=residual)
+
+
+def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """2-D row view with unit stride in the last dim; copies only when no such view exists."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    view = rows_view(t)
+    return view if view is not None else t.reshape(-1, t.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension. x: [..., H] fp16/bf16/fp32; weight: [H]. Returns x's dtype."""
+    _validate(x, weight, eps)
+    if out is not None:
+        check_tensor("out", out, dtypes=(x.dtype,))
+        if out.shape != x.shape or out.device != x.device:
+            raise ValueError(f"out must be a {tuple(x.shape)} tensor on {x.device}, got {tuple(out.shape)} on {out.device}")
+        check_last_dim_contiguous("out", out)
+    if not use_triton(x):
+        y = rms_norm_reference(x, weight, eps)
+        return out.copy_(y) if out is not None else y
+    x2 = _as_rows("x", x)
+    result = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = rows_view(result)
+    if out2 is None:  # caller's out has unmergeable leading strides: compute into a temporary
+        tmp = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        _launch(x2, None, weight, tmp, None, float(eps))
+        return result.copy_(tmp.view(x.shape))
+    _launch(x2, None, weight, out2, None, float(eps))
+    return result
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype."""
+    _validate(x, weight, eps, residual)
+    if not use_triton(x):
+        return fused_add_rms_norm_reference(x, residual, weight, eps)
+    x2, r2 = _as_rows("x", x), _as_rows("residual", residual)
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x2, r2, weight, normed.view(-1, x.shape[-1]), new_residual.view(-1, x.shape[-1]), float(eps))
+    return normed, new_residual
+
+
+# --------------------------------------------------------------------------------------------- AOT specs
+def compile_specs():
+    """Specialisations compiled for sm_80/89/90 by the compile tests and tools/inspect_triton.py."""
+    from kernel_lab.harness.compile import CompileSpec
+
+    specs = []
+    base = {"H": "i32", "x_row_stride": "i32", "res_row_stride": "i32", "out_row_stride": "i32",
+            "res_out_row_stride": "i32", "eps": "fp32"}
+    aligned = ("H", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "x_row_stride", "res_row_stride",
+               "out_row_stride", "res_out_row_stride")
+    for dtype, ty, H, residual in [("bf16", "*bf16", 4096, False), ("fp16", "*fp16", 8192, True),
+                                   ("fp32", "*fp32", 1024, False), ("bf16", "*bf16", 16384, False)]:
+        looped, block, warps = launch_config(H)
+        sig = {"x_ptr": ty, "res_ptr": ty, "w_ptr": ty, "out_ptr": ty, "res_out_ptr": ty, **base}
+        specs.append(CompileSpec(
+            name=f"rms_norm_row_{dtype}_h{H}" + ("_residual" if residual else ""), kernel=_rms_norm_row_kernel,
+            signature=sig, constexprs={"BLOCK": block, "HAS_RESIDUAL": residual}, num_warps=warps, aligned=aligned,
+        ))
+    for residual in (False, True):
+        sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", **base}
+        specs.append(CompileSpec(
+            name="rms_norm_looped_bf16" + ("_residual" if residual else ""), kernel=_rms_norm_looped_kernel,
+            signature=sig, constexprs={"CHUNK": LOOP_CHUNK, "HAS_RESIDUAL": residual}, num_warps=8, aligned=aligned,
+        ))
+    return specs

@@ -1,0 +1,174 @@
+"""Project 01 correctness: Triton RMSNorm vs an independent float64 formulation.
+
+On a machine without CUDA these run the Triton kernels through the interpreter (see conftest.py); on a
+GPU they run the compiled kernels. Grids stay at a few hundred rows so the interpreter is quick.
+"""
+
+import re
+
+import pytest
+import torch
+
+from kernel_lab.harness.compile import TARGETS, compile_module
+from kernel_lab.harness.testing import assert_close, assert_rounded_equal, case_seed, poison, randn
+from kernel_lab.ops import fused_add_rms_norm, rms_norm
+from kernel_lab.ops.rmsnorm import FUSED_MAX_H
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference64(x, weight, eps):
+    x64 = x.double()
+    return x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 127), (2, 3, 1000), (4, 4096), (2, 5120 + 3)])
+def test_rms_norm_matches_float64(shape, dtype, device):
+    seed = case_seed("rms", shape, dtype)
+    x = randn(shape, dtype, device, seed, scale=3.0, offset=0.5)
+    w = randn(shape[-1:], dtype, device, seed + 1, offset=1.0)
+    out = poison(torch.empty_like(x))
+    y = rms_norm(x, w, eps=1e-5, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    assert_close(y, reference64(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("H", [FUSED_MAX_H + 1, 65536])
+def test_long_rows_take_the_looped_path(H, device):
+    x = randn((2, H), torch.bfloat16, device, case_seed("long", H))
+    w = randn((H,), torch.bfloat16, device, case_seed("long-w", H), offset=1.0)
+    assert_close(rms_norm(x, w), reference64(x, w, 1e-6), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_and_strided_out(dtype, device):
+    seed = case_seed("strided", dtype)
+    base = randn((6, 4, 300), dtype, device, seed)
+    x = base[::2, :, 17:17 + 257]  # leading dims and rows both strided, last dim unit stride
+    w = randn((257,), dtype, device, seed + 1, offset=1.0)
+    out_base = poison(torch.empty((3, 4, 400), dtype=dtype, device=device))
+    out = out_base[:, :, 5:5 + 257]
+    rms_norm(x, w, out=out)
+    assert_close(out, reference64(x, w, 1e-6), dtype)
+    assert torch.isnan(out_base[:, :, :5].float()).all(), "kernel wrote outside `out`"
+    # a non-unit last-dim stride is accepted (copied), not silently misread
+    xt = randn((300, 6), dtype, device, seed + 2).t()
+    assert_close(rms_norm(xt, randn((300,), dtype, device, seed + 3)), reference64(xt, randn((300,), dtype, device, seed + 3), 1e-6), dtype)
+
+
+def test_weight_of_another_dtype(device):
+    x = randn((3, 96), torch.bfloat16, device, 11)
+    w = randn((96,), torch.float32, device, 12, offset=1.0)
+    assert_close(rms_norm(x, w), reference64(x, w, 1e-6), torch.bfloat16)
+
+
+def test_zero_rows(device):
+    x = torch.empty((0, 64), dtype=torch.float16, device=device)
+    w = randn((64,), torch.float16, device, 1)
+    assert rms_norm(x, w).shape == (0, 64)
+    n, r = fused_add_rms_norm(x, x.clone(), w)
+    assert n.shape == r.shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (7, 333), (3, 2048), (2, FUSED_MAX_H + 8)])
+def test_fused_add_rms_norm(shape, dtype, device):
+    seed = case_seed("fused", shape, dtype)
+    x = randn(shape, dtype, device, seed)
+    res = randn(shape, dtype, device, seed + 1, scale=2.0)
+    w = randn(shape[-1:], dtype, device, seed + 2, offset=1.0)
+    normed, new_res = fused_add_rms_norm(x, res, w, eps=1e-6)
+    # The new residual is the sum rounded once to the activation dtype.
+    assert_rounded_equal(new_res, x.double() + res.double(), dtype)
+    assert_close(normed, reference64(new_res, w, 1e-6), dtype)
+    assert torch.equal(x.cpu(), randn(shape, dtype, "cpu", seed)), "inputs must not be modified"
+
+
+def test_fused_with_strided_inputs(device):
+    x = randn((5, 200), torch.float16, device, 3)[:, 7:135]
+    res = randn((5, 128), torch.float16, device, 4)
+    w = randn((128,), torch.float16, device, 5, offset=1.0)
+    normed, new_res = fused_add_rms_norm(x, res, w)
+    assert_rounded_equal(new_res, x.double() + res.double(), torch.float16)
+    assert_close(normed, reference64(new_res, w, 1e-6), torch.float16)
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda d: rms_norm(torch.ones(2, 4, dtype=torch.int32, device=d), torch.ones(4, device=d)), TypeError, "x must have dtype"),
+        (lambda d: rms_norm(torch.ones(2, 4, device=d), torch.ones(5, device=d)), ValueError, "weight must have shape"),
+        (lambda d: rms_norm(torch.ones(2, 4, device=d), torch.ones(2, 4, device=d)), ValueError, "weight must be 1-D"),
+        (lambda d: rms_norm(torch.ones(2, 0, device=d), torch.ones(0, device=d)), ValueError, "last dimension"),
+        (lambda d: rms_norm(torch.ones(2, 4, device=d), torch.ones(4, device=d), eps=-1.0), ValueError, "eps"),
+        (lambda d: rms_norm(torch.ones(2, 4, device=d), torch.ones(4, device=d), out=torch.empty(2, 5, device=d)), ValueError, "out must be"),
+        (lambda d: rms_norm([1.0, 2.0], torch.ones(2, device=d)), TypeError, "x must be a torch.Tensor"),
+        (lambda d: fused_add_rms_norm(torch.ones(2, 4, device=d), torch.ones(2, 3, device=d), torch.ones(4, device=d)), ValueError, "residual must have"),
+        (lambda d: fused_add_rms_norm(torch.ones(2, 4, device=d), torch.ones(2, 4, device=d, dtype=torch.half), torch.ones(4, device=d)), TypeError, "residual must have dtype"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_named_argument(call, error, pattern, device):
+    with pytest.raises(error, match=pattern):
+        call(device)
+
+
+def test_mixed_devices_rejected():
+    if not torch.cuda.is_available():
+        pytest.skip("needs two devices")  # pragma: no cover
+    with pytest.raises(ValueError, match="share a device"):
+        rms_norm(torch.ones(2, 4, device="cuda"), torch.ones(4))
+
+
+# --- generated code -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_module("kernel_lab.ops.rmsnorm", targets=TARGETS)
+
+
+def test_compiles_for_every_target_without_spills(compiled):
+    names = {name for name, _ in compiled}
+    assert len(names) >= 5
+    for target in ("sm_80", "sm_89", "sm_90a"):
+        for name in names:
+            result = compiled[(name, target)]
+            assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (name, target, result)
+            assert result["registers"] <= 128, (name, target, result["registers"])
+
+
+def test_sass_uses_128_bit_global_accesses(compiled):
+    for (name, target), result in compiled.items():
+        loads = set(re.findall(r"LDG\.E[A-Z0-9.]*", result["sass"]))
+        stores = set(re.findall(r"STG\.E[A-Z0-9.]*", result["sass"]))
+        assert any(op.endswith(".128") for op in loads), (name, target, loads)
+        assert any(op.endswith(".128") for op in stores), (name, target, stores)
+        assert not any(op.endswith(".U16") for op in loads), f"{name} {target} fell back to 16-bit loads"
+
+
+# --- GPU-only checks -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, H", [(8192, 4096), (1, 65536), (3, 5), (4096, 16384 + 16)])
+def test_gpu_large_shapes(rows, H, dtype):
+    x = randn((rows, H), dtype, "cuda", case_seed("gpu", rows, H, dtype))
+    w = randn((H,), dtype, "cuda", 7, offset=1.0)
+    assert_close(rms_norm(x, w), reference64(x, w, 1e-6), dtype)
+    normed, new_res = fused_add_rms_norm(x, x.flip(0), w)
+    assert_rounded_equal(new_res, x.double() + x.flip(0).double(), dtype)
+    assert_close(normed, reference64(new_res, w, 1e-6), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_under_cuda_graph():
+    x = randn((16, 4096), torch.bfloat16, "cuda", 5)
+    w = randn((4096,), torch.bfloat16, "cuda", 6, offset=1.0)
+    out = torch.empty_like(x)
+    rms_norm(x, w, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rms_norm(x, w, out=out)
+    x.copy_(randn((16, 4096), torch.bfloat16, "cuda", 9))
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference64(x, w, 1e-6), torch.bfloat16)
