@@ -1,0 +1,78 @@
+"""`kernel-lab` command line. Each subcommand lives in the module that owns its job; this file only
+routes, and imports lazily so `kernel-lab env` stays fast.
+
+    kernel-lab generate "prompt"      stream text from the default model      (kernel_lab.engine.commands)
+    kernel-lab demo                   several chats at once, continuous batching (kernel_lab.engine.commands)
+    kernel-lab bench throughput       offline throughput, like `vllm bench throughput`
+    kernel-lab serve                  OpenAI-compatible server                 (kernel_lab.server.commands)
+    kernel-lab bench serve            online serving benchmark, like `vllm bench serve`
+    kernel-lab env                    print the environment record
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# subcommand -> (module, help). A module provides add_<name>_arguments(parser) and run_<name>(args) -> int.
+COMMANDS = {
+    "generate": ("kernel_lab.engine.commands", "stream a completion from the default (or given) model"),
+    "demo": ("kernel_lab.engine.commands", "run several chat prompts at once and stream them"),
+    "serve": ("kernel_lab.server.commands", "start the OpenAI-compatible server"),
+}
+BENCH_COMMANDS = {
+    "throughput": ("kernel_lab.engine.commands", "offline throughput benchmark"),
+    "serve": ("kernel_lab.server.commands", "online serving benchmark against any OpenAI-compatible server"),
+}
+
+
+def _attach(sub, name: str, module: str, help_text: str, prefix: str = "") -> None:
+    parser = sub.add_parser(name, help=help_text)
+    func = f"{prefix}{name}".replace("-", "_")
+    try:
+        mod = importlib.import_module(module)
+        getattr(mod, f"add_{func}_arguments")(parser)
+        parser.set_defaults(_run=getattr(mod, f"run_{func}"))
+    except (ImportError, AttributeError) as exc:
+        parser.set_defaults(_run=lambda args, exc=exc: _unavailable(name, exc))
+
+
+def _unavailable(name: str, exc: Exception) -> int:
+    print(f"kernel-lab {name} is unavailable: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run_env(args) -> int:
+    from kernel_lab.harness.env import environment_record
+
+    print(json.dumps(environment_record(), indent=1))
+    return 0
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kernel-lab", description="LLM Serving Kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module, help_text) in COMMANDS.items():
+        if wanted in (None, name, "-h", "--help"):
+            _attach(sub, name, module, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_text) in BENCH_COMMANDS.items():
+        _attach(bench, name, module, help_text, prefix="bench_") if wanted == "bench" else bench.add_parser(name)
+    env = sub.add_parser("env", help="print the environment record")
+    env.set_defaults(_run=_run_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
