@@ -1,0 +1,232 @@
+"""Paged KV cache: allocation, `write_kv`, and the FP8 E4M3 page-scale policy (projects 04 and 05).
+
+Contract (shared with the engine)
+---------------------------------
+- `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, block_size in {8, 16, 32, 64},
+  head_dim in {64, 128, 256}. The inner three dimensions are dense (strides `(H*D, D, 1)`); the block
+  stride may be larger (e.g. views of one `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16,
+  fp32, or `torch.float8_e4m3fn`.
+- FP8 caches carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`, contiguous, one scale per page
+  and KV head. A stored element means `float(fp8) * scale`. A fresh cache has every scale at 0.0: the page
+  holds no data yet.
+- `write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`: key/value
+  `[tokens, num_kv_heads, head_dim]`; `slot_mapping` int64 `[tokens]` = `block * block_size + offset`;
+  a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
+
+FP8 write policy (power-of-two page scales, requantise on growth)
+-----------------------------------------------------------------
+Every page scale written by `write_kv` is a power of two: the smallest `2**k >= amax / 448` (at least
+2**-126), where amax is the largest |x| the page and head has ever received. One call works per page and
+head, independent of token order inside the call:
+
+1. `new_scale = max(old_scale, pow2_scale(amax of this call's tokens for the page))`.
+2. If `new_scale > old_scale`, every element already in the page is requantised once:
+   `fp8(old_fp8 * (old_scale / new_scale))`, round to nearest even. A page whose old scale is 0.0 holds no
+   data, so it is zero-filled instead (clearing whatever bytes were there).
+3. The new tokens are quantised with `new_scale`: `fp8(clamp(x / new_scale, -448, 448))`, round to nearest
+   even.
+
+Why this meets `|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9` in any write order: the first
+quantisation errs by at most half an E4M3 ulp, which is <= 2**-4 * |x| for normal values and <= 2**-10 * s1
+in the subnormal range. Scaling an E4M3 value by a power of two is exact unless the result becomes
+subnormal, where it rounds by at most 2**-10 of the new scale. Scales at least double at each growth, so all
+later roundings sum to < 2**-10 * (s2 + s3 + ... + sn) < 2**-10 * sn, and with the first error the total
+stays below `2**-4 * |x| + 2**-9 * sn` for the page's final scale sn. Power-of-two scales also make
+`x / scale` and `fp8 * scale` exact in fp32, so the CUDA kernel and this reference agree bit for bit.
+Pages whose scale was set outside `write_kv` to a non-power-of-two keep working (the scale never shrinks),
+but the bound is only guaranteed for scales `write_kv` manages. Non-finite inputs are not supported.
+
+Dispatch: CPU tensors always take the PyTorch reference below (with validation); CUDA tensors run the
+CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import FLOAT_DTYPES, check_same_device, check_tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_FP8_SCALE = 2.0 ** -126  # smallest normal fp32: keeps `fp8 * scale` exact
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------- allocation
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """A zeroed paged cache: returns (k_cache, v_cache, k_scale, v_scale); scales are None unless fp8,
+    where they are float32 zeros `[num_blocks, num_kv_heads]` (every page empty)."""
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if num_blocks < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_blocks and num_kv_heads must be >= 1, got {num_blocks}, {num_kv_heads}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    if dtype != FP8_DTYPE:
+        return k_cache, v_cache, None, None
+    k_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
+    v_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
+    return k_cache, v_cache, k_scale, v_scale
+
+
+# --------------------------------------------------------------------------------------------- fp8 helpers
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= amax / 448 (float32, at least MIN_FP8_SCALE); 0 where amax is 0.
+
+    Bit-identical to the CUDA kernel: `amax / 448` rounds once (IEEE division), then the mantissa is
+    rounded up to the next power of two."""
+    ratio = amax.float() / FP8_MAX
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent).clamp_min(MIN_FP8_SCALE)
+    return torch.where(amax > 0, scale, torch.zeros_like(scale))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8(clamp(x / scale)) with round-to-nearest-even; `scale` broadcasts against x; scale 0 stores 0."""
+    xf = x.float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xf / safe).clamp(-FP8_MAX, FP8_MAX)
+    q = torch.where(scale > 0, q, torch.zeros_like(q))
+    return q.to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+# --------------------------------------------------------------------------------------------- validation
+def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int, int, int, int]:
+    """Validate a paged K/V cache pair (and fp8 scales); returns (num_blocks, block_size, heads, head_dim)."""
+    check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4)
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
+    num_blocks, block_size, heads, head_dim = k_cache.shape
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"k_cache block_size (dim 1) must be one of {SUPPORTED_BLOCK_SIZES}, "
+                         f"got {block_size}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"k_cache head_dim (dim 3) must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if num_blocks < 1 or heads < 1:
+        raise ValueError(f"k_cache must have at least one block and one head, "
+                         f"got shape {tuple(k_cache.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride()[1:] != (heads * head_dim, head_dim, 1):
+            raise ValueError(f"{name} must be dense in its last three dimensions (strides "
+                             f"{(heads * head_dim, head_dim, 1)}), got strides {cache.stride()}")
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not is_fp8:
+            if s is not None:
+                raise ValueError(f"{name} is only used with a float8_e4m3fn cache; "
+                                 f"the cache is {k_cache.dtype}")
+            continue
+        if s is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn cache "
+                             "(float32 [num_blocks, num_kv_heads])")
+        check_tensor(name, s, dtypes=(torch.float32,), ndim=2)
+        if tuple(s.shape) != (num_blocks, heads):
+            raise ValueError(f"{name} must have shape {(num_blocks, heads)}, got {tuple(s.shape)}")
+        if not s.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {s.stride()}")
+    return num_blocks, block_size, heads, head_dim
+
+
+def _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    num_blocks, block_size, heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
+    input_dtypes = FLOAT_DTYPES if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    check_tensor("key", key, dtypes=input_dtypes, ndim=3)
+    check_tensor("value", value, dtypes=(key.dtype,), ndim=3)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1)
+    tokens = slot_mapping.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != (tokens, heads, head_dim):
+            raise ValueError(f"{name} must have shape {(tokens, heads, head_dim)} (tokens from slot_mapping, "
+                             f"heads and head_dim from the cache), got {tuple(t.shape)}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                      k_scale=k_scale, v_scale=v_scale)
+    return num_blocks, block_size
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Host-side value check (reads device memory): every slot is -1 or inside the pool."""
+    if slot_mapping.numel() == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < -1 or hi >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping values must be -1 (skip) or in [0, {num_blocks * block_size}) "
+                         f"(num_blocks * block_size), got range [{lo}, {hi}]")
+
+
+# --------------------------------------------------------------------------------------------- reference
+def _write_fp8_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
+                         offsets: torch.Tensor) -> None:
+    """Apply the page-scale policy (module docstring) for one of K or V; tokens already filtered to valid."""
+    heads = cache.shape[2]
+    token_scale = pow2_scale(x.float().abs().amax(dim=-1))                      # [tokens, heads]
+    new_scale = scale.clone()
+    new_scale.scatter_reduce_(0, blocks[:, None].expand(-1, heads), token_scale, reduce="amax",
+                              include_self=True)
+    # Growth always lands on a power of two (a token's scale), even if the old scale was set elsewhere.
+    grown_pages, grown_heads = torch.nonzero(new_scale > scale, as_tuple=True)
+    if grown_pages.numel():
+        old = scale[grown_pages, grown_heads]                                   # [n]
+        ratio = torch.where(old > 0, old / new_scale[grown_pages, grown_heads], torch.zeros_like(old))
+        stored = cache[grown_pages, :, grown_heads].float()                     # [n, block_size, head_dim]
+        # old == 0: the page held no data; zero-fill (stored bytes may be anything, even NaN patterns).
+        requantised = torch.where(old[:, None, None] > 0, stored * ratio[:, None, None],
+                                  torch.zeros_like(stored))
+        cache[grown_pages, :, grown_heads] = requantised.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale.copy_(new_scale)
+    cache[blocks, offsets] = quantize_fp8(x, new_scale[blocks][:, :, None])
+
+
+def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    key, value = key[valid], value[valid]
+    if k_cache.dtype != FP8_DTYPE:
+        k_cache[blocks, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, offsets] = value.to(v_cache.dtype)
+        return
+    _write_fp8_reference(key, k_cache, k_scale, blocks, offsets)
+    _write_fp8_reference(value, v_cache, v_scale, blocks, offsets)
+
+
+# --------------------------------------------------------------------------------------------- public op
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, *, validate: bool | None = None) -> None:
+    """Store key/value `[tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping` (in place).
+
+    FP8 caches quantise on write with the page-scale policy of this module's docstring and update
+    `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA; always on for CPU) checks
+    slot values on the host, which synchronises, so never set it inside a CUDA graph."""
+    num_blocks, block_size = _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if not key.is_cuda or validate:
+        if key.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("write_kv(validate=True) reads device memory and cannot run inside "
+                               "CUDA graph capture")
+        check_slot_values(slot_mapping, num_blocks, block_size)
+    if slot_mapping.numel() == 0:
+        return
+    if not key.is_cuda:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    from .cuda_extension import load_extension
+
+    load_extension().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -1,0 +1,269 @@
+"""Project 04/05: paged decode attention over a block-table KV cache (fp16/bf16/fp32, or FP8 E4M3 pages).
+
+    out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b,   K_b/V_b = the first seq_lens[b] tokens of sequence b
+
+Contract
+--------
+- `q`: `[batch, num_q_heads, head_dim]`, last dimension contiguous (batch/head strides are free, so a slice
+  of a fused QKV output works). num_q_heads is a multiple of num_kv_heads (MHA, GQA, MQA): query head h
+  reads KV head `h // (num_q_heads // num_kv_heads)`.
+- `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]` (see `kv_cache.py`), the same
+  dtype as q, or `torch.float8_e4m3fn` with float32 `k_scale`/`v_scale` `[num_blocks, num_kv_heads]`
+  (stored value = `float(fp8) * scale`).
+- `block_tables`: int32 `[batch, max_blocks_per_seq]`; token t of sequence b is at block
+  `block_tables[b, t // block_size]`, offset `t % block_size`. Blocks may be anywhere, in any order, and
+  shared. Entries past a sequence's last block are never read (padding such as -1 is fine).
+- `seq_lens`: int32 `[batch]`, each in `[0, max_blocks_per_seq * block_size]`. A length of 0 yields a
+  zero output row (padding rows of a captured CUDA graph).
+- `scale` defaults to `head_dim ** -0.5`. The output has q's dtype and shape; `out=` may be given.
+- `validate`: host-side value checks (seq_lens within the block table, used block ids inside the pool),
+  raising ValueError. Always on for CPU tensors; default off for CUDA since it synchronises, and refused
+  during CUDA graph capture.
+
+Dispatch: CPU tensors run `paged_decode_attention_reference` (materialising, float32 softmax; q and caches
+may be fp16, bf16 or fp32). CUDA tensors run the CUDA C++ kernel in `kernel_lab/csrc/paged_attention.cu`,
+which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3; fp32 q is refused on CUDA.
+
+The kernel (see the project READMEs for the traffic model): one CTA per (sequence, KV head, head group,
+KV split). A head group is up to 8 query heads of one KV head that share every K/V load. When
+batch x kv_heads x head_groups cannot fill the GPU, the sequence is split into partitions of whole blocks
+(flash-decoding) and a second kernel merges the partial results by their log-sum-exp. The split plan is a
+function of shapes only (never of seq_lens values), so no host synchronisation is needed.
+`kernel_model` below is the same algorithm in PyTorch, used to test the kernel's maths without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .common import FLOAT_DTYPES, HALF_DTYPES, check_out, check_same_device, check_tensor
+from .kv_cache import FP8_DTYPE, check_cache_pair
+
+# Kernel geometry, shared by the CUDA code (csrc/paged_attention_kernels.cuh) and the CPU model.
+HEADS_PER_GROUP = 8        # query heads of one KV head served by one CTA (one K/V load)
+ELEMS_PER_LANE = 8         # head_dim elements each lane owns: 16-byte loads for fp16/bf16, 8-byte for fp8
+NUM_WARPS = 4
+MIN_PARTITION_TOKENS = 256  # a split reads at least this many tokens, so its fixed cost stays small
+CTAS_PER_SM_TARGET = 2      # split until the grid has about this many CTAs per SM
+
+
+# --------------------------------------------------------------------------------------------- reference
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
+                                     k_scale=None, v_scale=None) -> torch.Tensor:
+    """Materialising reference: gather every sequence's K/V, then float32 softmax attention."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if batch else 0
+    out = torch.zeros((batch, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
+    if max_len > 0:
+        pos = torch.arange(max_len, device=q.device)
+        valid = pos[None, :] < lens[:, None]                                            # [B, T]
+        blocks = torch.where(valid, block_tables.long()[:, pos // block_size], 0)       # [B, T]
+        offsets = (pos % block_size).expand(batch, -1)
+        k = k_cache[blocks, offsets].float()                                            # [B, T, Hkv, D]
+        v = v_cache[blocks, offsets].float()
+        if k_cache.dtype == FP8_DTYPE:
+            k = k * k_scale[blocks][..., None]
+            v = v * v_scale[blocks][..., None]
+        # Masked positions read block 0, whose bytes may be anything (even NaN): zero them, not just mask.
+        keep = valid[:, :, None, None]
+        k = torch.where(keep, k, torch.zeros_like(k))
+        v = torch.where(keep, v, torch.zeros_like(v))
+        qg = q.float().view(batch, num_kv_heads, group, head_dim)
+        scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                           # len 0 -> zeros
+        out = torch.einsum("bhgt,bthd->bhgd", probs, v)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------- split plan
+@dataclass(frozen=True)
+class SplitPlan:
+    head_groups: int          # CTAs per KV head along the query-head axis (ceil(group / HEADS_PER_GROUP))
+    heads_per_group: int      # query heads each of those CTAs serves (<= HEADS_PER_GROUP)
+    partition_blocks: int     # KV blocks per split
+    num_splits: int           # splits per sequence (1: no merge kernel)
+
+
+def plan_splits(batch: int, num_q_heads: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                num_sms: int) -> SplitPlan:
+    """How the kernel divides the work; depends on shapes only, so it is fixed inside a CUDA graph."""
+    group = num_q_heads // num_kv_heads
+    head_groups = -(-group // HEADS_PER_GROUP)
+    heads_per_group = -(-group // head_groups)
+    ctas = batch * num_kv_heads * head_groups
+    capacity_blocks = max(max_blocks_per_seq, 1)
+    wanted = -(-CTAS_PER_SM_TARGET * num_sms // max(ctas, 1))
+    min_blocks = max(1, MIN_PARTITION_TOKENS // block_size)
+    splits = max(1, min(wanted, capacity_blocks // min_blocks))
+    partition_blocks = -(-capacity_blocks // splits)
+    num_splits = -(-capacity_blocks // partition_blocks)
+    return SplitPlan(head_groups, heads_per_group, partition_blocks, num_splits)
+
+
+# --------------------------------------------------------------------------------------------- CPU model
+def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None,
+                 num_sms: int = 132, plan: SplitPlan | None = None) -> torch.Tensor:
+    """The CUDA kernel's algorithm in PyTorch (float32), for testing its maths without a GPU.
+
+    Same decomposition as the kernel: CTAs over (sequence, KV head, head group, split); inside a CTA, warp w
+    takes the split's blocks w, w + NUM_WARPS, ...; inside a warp, `tokens_per_warp` lane groups each keep
+    their own running (max, sum, accumulator) over the tokens at their offset of each block, updated once
+    per token with the online-softmax rescale. Scales: the logit multiplier is `scale * k_scale[page]`, and
+    each probability is multiplied by `v_scale[page]` before it accumulates V. Lane groups then warps merge
+    by max/rescale, and splits merge through (max, sum) = a log-sum-exp, as in the merge kernel.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    plan = plan or plan_splits(batch, num_q_heads, num_kv_heads, block_tables.shape[1], block_size, num_sms)
+    lanes_per_token = head_dim // ELEMS_PER_LANE
+    tokens_per_warp = max(1, 32 // lanes_per_token)
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    out = torch.zeros((batch, num_q_heads, head_dim), dtype=torch.float32)
+    neg_inf = float("-inf")
+
+    def merge(states):
+        """(m, l, acc) triples over the same heads -> one, rescaling each to the common max."""
+        m = torch.stack([s[0] for s in states]).amax(0)
+        safe_m = torch.where(m == neg_inf, torch.zeros_like(m), m)
+        l = sum(s[1] * torch.exp(s[0] - safe_m) for s in states)
+        acc = sum(s[2] * torch.exp(s[0] - safe_m)[:, None] for s in states)
+        return m, l, acc
+
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        for kvh in range(num_kv_heads):
+            for hg in range(plan.head_groups):
+                heads = [kvh * group + hg * plan.heads_per_group + i for i in range(plan.heads_per_group)]
+                heads = [h for h in heads if h < (kvh + 1) * group]
+                qf = q[b, heads].float()                                                   # [G, D]
+                split_states = []
+                for split in range(plan.num_splits):
+                    first_block = split * plan.partition_blocks
+                    last_block = min(first_block + plan.partition_blocks, -(-seq_len // block_size))
+                    if first_block >= last_block:
+                        continue  # the kernel's CTA writes (m=-inf, l=0); the merge ignores it
+                    lane_states = []
+                    for warp in range(NUM_WARPS):
+                        for lane_group in range(tokens_per_warp):
+                            m = torch.full((len(heads),), neg_inf)
+                            l = torch.zeros(len(heads))
+                            acc = torch.zeros(len(heads), head_dim)
+                            for blk in range(first_block + warp, last_block, NUM_WARPS):
+                                page = int(block_tables[b, blk])
+                                k_mult = scale * (float(k_scale[page, kvh]) if is_fp8 else 1.0)
+                                v_mult = float(v_scale[page, kvh]) if is_fp8 else 1.0
+                                for off in range(lane_group, block_size, tokens_per_warp):
+                                    if blk * block_size + off >= seq_len:
+                                        break
+                                    k = k_cache[page, off, kvh].float()
+                                    v = v_cache[page, off, kvh].float()
+                                    s = (qf @ k) * k_mult
+                                    m_new = torch.maximum(m, s)
+                                    correction = torch.exp(m - m_new)
+                                    p = torch.exp(s - m_new)
+                                    l = l * correction + p
+                                    acc = acc * correction[:, None] + (p * v_mult)[:, None] * v[None, :]
+                                    m = m_new
+                            lane_states.append((m, l, acc))
+                    split_states.append(merge(lane_states))
+                if not split_states:
+                    continue  # seq_len 0: zero output
+                m, l, acc = merge(split_states)
+                out[b, heads] = acc / l[:, None]
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------- validation
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out):
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    num_blocks, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
+    if k_cache.dtype != FP8_DTYPE and k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache must have q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}")
+    batch, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim (dim 2) must match the cache's head_dim {head_dim}, "
+                         f"got shape {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous in its last dimension, got strides {q.stride()}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"q's num_q_heads ({num_q_heads}) must be a positive multiple of the cache's "
+                         f"num_kv_heads ({num_kv_heads})")
+    check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have shape ({batch}, max_blocks_per_seq), "
+                         f"got {tuple(block_tables.shape)}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, "
+                         f"got strides {block_tables.stride()}")
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape ({batch},), got {tuple(seq_lens.shape)}")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                      k_scale=k_scale, v_scale=v_scale, out=out)
+    check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    if q.is_cuda and q.dtype not in HALF_DTYPES:
+        raise TypeError(f"the CUDA kernel takes q in float16 or bfloat16, got {q.dtype} "
+                        "(the fp32 path is the CPU reference)")
+    return num_blocks, block_size
+
+
+def check_table_values(block_tables, seq_lens, num_blocks: int, block_size: int) -> None:
+    """Host-side value checks (they read device memory): lengths fit the table, used block ids in the pool."""
+    if seq_lens.numel() == 0:
+        return
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.long().cpu()
+    if int(lens.min()) < 0 or int(lens.max()) > capacity:
+        bad = int(torch.nonzero((lens < 0) | (lens > capacity))[0])
+        raise ValueError(f"seq_lens[{bad}] = {int(lens[bad])} does not fit the block table: it must be in "
+                         f"[0, {capacity}] (max_blocks_per_seq {block_tables.shape[1]} * "
+                         f"block_size {block_size})")
+    used_blocks = -(-lens // block_size)                                                # [B]
+    used = torch.arange(block_tables.shape[1])[None, :] < used_blocks[:, None]
+    ids = block_tables.cpu().long()
+    out_of_pool = used & ((ids < 0) | (ids >= num_blocks))
+    if bool(out_of_pool.any()):
+        b, j = (int(x) for x in torch.nonzero(out_of_pool)[0])
+        raise ValueError(f"block_tables[{b}, {j}] = {int(ids[b, j])} is outside the pool of {num_blocks} "
+                         f"blocks (sequence {b} uses its first {int(used_blocks[b])} entries)")
+
+
+# --------------------------------------------------------------------------------------------- public op
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, validate: bool | None = None) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache (see module docstring)."""
+    num_blocks, block_size = _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                       out)
+    if not q.is_cuda or validate:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("paged_decode_attention(validate=True) reads device memory and cannot run "
+                               "inside CUDA graph capture")
+        check_table_values(block_tables, seq_lens, num_blocks, block_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not q.is_cuda:
+        result = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                  k_scale, v_scale)
+        return out.copy_(result) if out is not None else result
+    from .cuda_extension import launch_paged_decode
+
+    result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, result)
+    return result
