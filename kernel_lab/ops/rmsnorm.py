@@ -49,6 +49,8 @@ def _rms_norm_row_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    # Issued before the reduction so its latency hides behind the cross-warp sum.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0)
         # The new residual is rounded to the activation dtype first, exactly as an unfused add would be,
@@ -57,8 +59,7 @@ def _rms_norm_row_kernel(
         tl.store(res_out_ptr + row * res_out_row_stride + cols, summed, mask=mask)
         x = summed
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
     tl.store(out_ptr + row * out_row_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,7 +82,7 @@ def _rms_norm_looped_kernel(
             tl.store(res_out_ptr + row * res_out_row_stride + cols, x, mask=mask)
         xf = x.to(tl.float32)
         acc += xf * xf
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
     # Second pass re-reads what the first pass produced (the new residual when fused).
     if HAS_RESIDUAL:
         src_row = res_out_ptr + row * res_out_row_stride

