@@ -1,0 +1,177 @@
+"""Project 02: SwiGLU activation in the serving layout.
+
+    x = [gate | up]  (last dimension 2*d)      ->      y = silu(gate) * up  (last dimension d)
+    silu(g) = g * sigmoid(g) = g / (1 + exp(-g))       (computed in fp32, rounded once to x's dtype)
+
+Why the two halves arrive concatenated: a serving engine stores W_gate and W_up stacked as one
+[2*d, H] weight, so a single GEMM produces both halves for every token (one launch, one read of the
+activations, better tensor-core utilisation than two thin GEMMs). This op consumes that GEMM's output
+as it is; nothing is split or copied first.
+
+Memory traffic per token (b bytes per element): read 2*d*b, write d*b -> 3*d*b bytes, about one FLOP
+per byte. The kernel is purely bandwidth bound, so the whole design is "one pass with 128-bit accesses
+and enough bytes in flight":
+- a 2-D grid, (token, column block): any d works, including odd d and d far larger than one block, and
+  a single decode token still spreads over several programs;
+- each thread owns two 16-byte vectors of gate and two of up; the JIT specialises d and the row
+  strides as multiples of 16 elements when they are, which is what lets the `up` half (offset d) be
+  read with 128-bit loads as well;
+- offsets are 64-bit, so tensors beyond 2^31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    rows_view,
+    use_triton,
+)
+
+VECTORS_PER_THREAD = 2  # 16-byte vectors of each half per thread: more loads in flight per thread
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (column blocks)
+
+
+# --------------------------------------------------------------------------------------------- reference
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """fp32 math, one rounding to x's dtype: the numerical contract the kernel follows."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].float(), x[..., d:].float()
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr,
+    d, x_row_stride, out_row_stride,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    x_row = x_ptr + row * x_row_stride
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # exp(-g) overflows to inf for g < -88, and g / inf = -0, the correct limit; no NaN is produced.
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_config(d: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a half-width of d elements.
+
+    A block is num_warps * 32 threads * VECTORS_PER_THREAD vectors of 16 bytes; it shrinks for small d so
+    a 64-wide op does not launch 4 mostly masked warps.
+    """
+    per_vector = 16 // element_size
+    full_block = 4 * 32 * VECTORS_PER_THREAD * per_vector  # 4 warps: 2048 (16-bit) or 1024 (fp32) elements
+    block = min(full_block, max(32, triton.next_power_of_2(d)))
+    num_warps = max(1, block // (32 * VECTORS_PER_THREAD * per_vector))
+    return block, num_warps
+
+
+def _launch(x2: torch.Tensor, out2: torch.Tensor) -> None:
+    rows = x2.shape[0]
+    d = out2.shape[1]
+    if rows == 0 or d == 0:
+        return
+    block, num_warps = launch_config(d, x2.element_size())
+    col_blocks = triton.cdiv(d, block)
+    if col_blocks > MAX_GRID_Y:
+        raise ValueError(f"x's half width d={d} exceeds the supported maximum {MAX_GRID_Y * block}")
+    _silu_and_mul_kernel[(rows, col_blocks)](
+        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------------- public op
+def _validate(x, out):
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    width = x.shape[-1]
+    if width == 0 or width % 2 != 0:
+        raise ValueError(
+            f"x's last dimension must be even and non-zero ([gate | up], 2*d), got shape {tuple(x.shape)}")
+    out_shape = (*x.shape[:-1], width // 2)
+    if out is not None:
+        check_tensor("out", out, dtypes=(x.dtype,))
+        if tuple(out.shape) != out_shape:
+            raise ValueError(f"out must have shape {out_shape} (x's shape with the last dimension halved), "
+                             f"got {tuple(out.shape)}")
+        check_same_device(x=x, out=out)
+        check_last_dim_contiguous("out", out)
+        if out.numel() and x.numel() and _overlaps(x, out):
+            raise ValueError("out must not overlap x's memory")
+    return out_shape
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2*d] in fp16/bf16/fp32; returns [..., d] in x's dtype.
+
+    Leading dimensions may have any strides (a row view needs no copy); the last dimension must be
+    unit-stride or is copied. `out`, if given, must be [..., d] of x's dtype, unit-stride in its last
+    dimension, on x's device and not overlapping x.
+    """
+    out_shape = _validate(x, out)
+    if not use_triton(x):
+        y = silu_and_mul_reference(x)
+        return out.copy_(y) if out is not None else y
+    result = out if out is not None else torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if result.numel() == 0:
+        return result
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = rows_view(x) if x.dim() > 1 else x.view(1, -1)
+    if x2 is None:  # leading dims cannot be merged into one stride
+        x2 = x.reshape(-1, x.shape[-1])
+    out2 = rows_view(result) if result.dim() > 1 else result.view(1, -1)
+    if out2 is None:
+        tmp = torch.empty((x2.shape[0], out_shape[-1]), dtype=x.dtype, device=x.device)
+        _launch(x2, tmp)
+        return result.copy_(tmp.view(out_shape))
+    _launch(x2, out2)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- AOT specs
+def compile_specs():
+    """Specialisations compiled for sm_80/89/90 by the compile tests: real intermediate sizes with the
+    alignment the JIT would infer (aligned), and an odd d that must still compile without spills."""
+    from kernel_lab.harness.compile import CompileSpec
+
+    specs = []
+    aligned = ("x_ptr", "out_ptr", "d", "x_row_stride", "out_row_stride")
+    signature = {"x_ptr": None, "out_ptr": None, "d": "i32", "x_row_stride": "i32", "out_row_stride": "i32"}
+    for dtype, ty, size, d in [("bf16", "*bf16", 2, 14336), ("fp16", "*fp16", 2, 11008),
+                               ("fp32", "*fp32", 4, 8960), ("bf16", "*bf16", 2, 1536)]:
+        block, warps = launch_config(d, size)
+        specs.append(CompileSpec(
+            name=f"silu_and_mul_{dtype}_d{d}", kernel=_silu_and_mul_kernel,
+            signature={**signature, "x_ptr": ty, "out_ptr": ty},
+            constexprs={"BLOCK": block}, num_warps=warps, aligned=aligned,
+        ))
+    block, warps = launch_config(4097, 2)
+    specs.append(CompileSpec(
+        name="silu_and_mul_fp16_odd_d4097", kernel=_silu_and_mul_kernel,
+        signature={**signature, "x_ptr": "*fp16", "out_ptr": "*fp16"},
+        constexprs={"BLOCK": block}, num_warps=warps, aligned=("x_ptr", "out_ptr"),
+    ))
+    return specs
