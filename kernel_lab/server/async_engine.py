@@ -1,0 +1,377 @@
+"""One engine loop on its own thread, fed by thread-safe queues, feeding asyncio streams.
+
+The engine (kernel_lab.engine.LLMEngine or anything with the same surface) is single-threaded. It is built
+and stepped on one dedicated thread, which owns it outright. Request handlers on the event loop never call
+it: they put `add`/`abort` commands on a `queue.SimpleQueue`, which the engine thread drains between steps.
+After each step the engine thread copies the outputs into immutable snapshots (the engine may keep mutating
+its own lists) and hands the whole batch to the event loop with one `loop.call_soon_threadsafe`, which puts
+each snapshot on its request's `asyncio.Queue`. So a handler waiting for tokens costs the engine nothing,
+and a slow client only makes its own queue longer; consumers coalesce queued snapshots (every field the
+server reads is cumulative), so a backlog never turns into a backlog of work.
+
+Admission control lives on the event loop: a request counts as *waiting* from submission until its first
+token arrives; when `max_waiting` requests are waiting, new ones are refused with QueueFull (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .metrics import ServerMetrics
+
+log = logging.getLogger("kernel_lab.server")
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still loading (HTTP 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed to load or crashed in a step (HTTP 500)."""
+
+
+class QueueFull(RuntimeError):
+    """The bounded waiting queue is full (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request in add_request (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SequenceSnapshot:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: Any
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[SequenceSnapshot, ...]
+    finished: bool
+
+
+def snapshot(output) -> RequestSnapshot:
+    seqs = tuple(
+        SequenceSnapshot(
+            index=o.index,
+            text=o.text,
+            token_ids=tuple(o.token_ids),
+            logprobs=None if o.logprobs is None else tuple(o.logprobs),
+            cumulative_logprob=o.cumulative_logprob,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+        )
+        for o in output.outputs
+    )
+    return RequestSnapshot(
+        output.request_id,
+        tuple(output.prompt_token_ids or ()),
+        tuple(sorted(seqs, key=lambda s: s.index)),
+        bool(output.finished),
+    )
+
+
+class _Tracked:
+    """Engine-thread bookkeeping for one request (timings for the metrics)."""
+
+    __slots__ = ("arrival", "prompt_tokens", "first_token_at", "last_token_at", "tokens_seen")
+
+    def __init__(self, arrival: float, prompt_tokens: int):
+        self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.first_token_at: float | None = None
+        self.last_token_at: dict[int, float] = {}
+        self.tokens_seen: dict[int, int] = {}
+
+
+class RequestStream:
+    """Async iterator over one request's snapshots. Leaving it early (break, exception, cancellation)
+    must end in `close()`, which aborts the request in the engine; the server does that in a finally."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self._engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.waiting = True
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestSnapshot:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()  # cumulative snapshots: only the newest matters
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished. Safe to call more than once."""
+        if not self.done:
+            self.done = True
+            self._engine._abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        *,
+        max_waiting: int = 512,
+        metrics: ServerMetrics | None = None,
+    ):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+        self._factory = engine_factory
+        self.max_waiting = max_waiting
+        self.metrics = metrics or ServerMetrics()
+        self.engine = None
+        self.state = "created"  # created -> starting -> ready -> (failed | stopped)
+        self.error: BaseException | None = None
+        self.ready_event = threading.Event()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # event-loop side
+        self._streams: dict[str, RequestStream] = {}
+        self._num_waiting = 0
+        # engine-thread side
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self.state = "starting"
+        self._thread = threading.Thread(target=self._run, name="kernel-lab-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._resume.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.state == "ready":
+            self.state = "stopped"
+
+    def pause(self) -> None:
+        """Stop stepping (commands still queue up). For tests and maintenance."""
+        self._resume.clear()
+
+    def resume(self) -> None:
+        self._resume.set()
+        self._commands.put(("wake",))
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def check_ready(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state in ("failed", "stopped"):
+            raise EngineDead(
+                f"the engine is not running: {self.error!r}" if self.error else "the engine is not running"
+            )
+        raise EngineNotReady("the model is still loading; retry shortly")
+
+    # ------------------------------------------------------------------ event-loop API
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params, arrival: float | None = None
+    ) -> RequestStream:
+        """Queue a request for the engine thread. Raises EngineNotReady, EngineDead or QueueFull at once;
+        an engine-side refusal (RequestRejected) arrives through the stream."""
+        self.check_ready()
+        if self._num_waiting >= self.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)", self.retry_after_s())
+        if request_id in self._streams:
+            raise RequestRejected(f"request id {request_id!r} is already in flight")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._num_waiting += 1
+        self._commands.put(
+            (
+                "add",
+                request_id,
+                list(prompt_token_ids),
+                params,
+                time.monotonic() if arrival is None else arrival,
+            )
+        )
+        return stream
+
+    def retry_after_s(self) -> int:
+        """A hint for Retry-After: about one mean request latency, 1 to 60 s."""
+        hist = self.metrics.e2e
+        mean = hist.sum / hist.count if hist.count else 1.0
+        return int(min(60, max(1, math.ceil(mean))))
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.waiting:
+            stream.waiting = False
+            self._num_waiting -= 1
+        self._commands.put(("abort", request_id))
+
+    def _deliver(self, batch: list[tuple[str, Any]]) -> None:
+        for request_id, item in batch:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if stream.waiting:
+                stream.waiting = False
+                self._num_waiting -= 1
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+            stream.queue.put_nowait(item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._deliver([(rid, exc) for rid in list(self._streams)])
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, batch: list) -> None:
+        if batch and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and every request
+            log.exception("engine failed to load")
+            self.error, self.state = exc, "failed"
+            self.ready_event.set()
+            return
+        self.engine = engine
+        if not self.metrics.model_name:
+            self.metrics.model_name = getattr(engine, "model_name", "")
+        self.metrics.on_step(engine.stats())
+        self.state = "ready"
+        self.ready_event.set()
+        try:
+            self._serve(engine)
+        except BaseException as exc:  # noqa: BLE001
+            log.exception("engine loop crashed")
+            self.error, self.state = exc, "failed"
+            dead = EngineDead(f"the engine crashed: {exc!r}")
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, dead)
+
+    def _apply(self, engine, command: tuple, errors: list) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt_ids, params, arrival = command
+            try:
+                engine.add_request(request_id, prompt_ids, params)
+            except ValueError as exc:
+                errors.append((request_id, RequestRejected(str(exc))))
+                return
+            except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+                log.exception("add_request failed for %s", request_id)
+                errors.append((request_id, EngineDead(f"add_request failed: {exc!r}")))
+                return
+            self._tracked[request_id] = _Tracked(arrival, len(prompt_ids))
+        elif kind == "abort":
+            request_id = command[1]
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                engine.abort_request(request_id)
+                generated = sum(tracked.tokens_seen.values())
+                self.metrics.on_finished(
+                    "abort", time.monotonic() - tracked.arrival, tracked.prompt_tokens, generated
+                )
+
+    def _serve(self, engine) -> None:
+        while not self._stop.is_set():
+            busy = engine.has_unfinished_requests() and self._resume.is_set()
+            commands = []
+            try:
+                commands.append(self._commands.get(block=not busy, timeout=None if busy else 0.5))
+            except queue.Empty:
+                pass
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            errors: list = []
+            for command in commands:
+                self._apply(engine, command, errors)
+            self._post(errors)
+            if commands:
+                self.metrics.on_step(engine.stats())
+            if self._stop.is_set() or not self._resume.is_set() or not engine.has_unfinished_requests():
+                continue
+            outputs = engine.step()
+            now = time.monotonic()
+            batch = []
+            for output in outputs:
+                tracked = self._tracked.get(output.request_id)
+                if tracked is None:
+                    continue
+                snap = snapshot(output)
+                self._account(tracked, snap, now)
+                if snap.finished:
+                    del self._tracked[output.request_id]
+                batch.append((output.request_id, snap))
+            self.metrics.on_step(engine.stats())
+            self._post(batch)
+        for request_id in list(self._tracked):
+            engine.abort_request(request_id)
+        self._tracked.clear()
+
+    def _account(self, tracked: _Tracked, snap: RequestSnapshot, now: float) -> None:
+        metrics = self.metrics
+        if tracked.first_token_at is None and any(s.token_ids for s in snap.outputs):
+            tracked.first_token_at = now
+            metrics.on_first_token(now - tracked.arrival, tracked.prompt_tokens)
+        for seq in snap.outputs:
+            seen = tracked.tokens_seen.get(seq.index, 0)
+            new = len(seq.token_ids) - seen
+            if new > 0:
+                previous = tracked.last_token_at.get(seq.index)
+                metrics.on_tokens(new, None if previous is None else now - previous)
+                tracked.last_token_at[seq.index] = now
+                tracked.tokens_seen[seq.index] = len(seq.token_ids)
+        if snap.finished:
+            reasons = {s.finish_reason for s in snap.outputs}
+            reason = "length" if "length" in reasons else "stop"
+            metrics.on_finished(
+                reason,
+                now - tracked.arrival,
+                tracked.prompt_tokens,
+                sum(len(s.token_ids) for s in snap.outputs),
+            )

@@ -1,0 +1,578 @@
+"""`kernel-lab bench serve`: an online serving benchmark against any OpenAI-compatible server, modelled on
+`vllm bench serve`.
+
+    kernel-lab bench serve --base-url http://127.0.0.1:8000 --dataset-name random \\
+        --random-input-len 64 --random-output-len 32 --num-prompts 64 --max-concurrency 1,4,16 \\
+        --server-label kernel-lab --result-dir results/09_engine/serve
+
+Workload: `random` draws each request's input and output length uniformly from
+[len * (1 - range_ratio), len * (1 + range_ratio)]; `fixed` uses exactly --input-len / --output-len.
+Prompts are random token ids decoded to text with the model's tokenizer and re-encoded until they have
+the intended length, so every server sees the same text. Output lengths are enforced with `max_tokens`
+and `ignore_eos` (a vLLM extension both servers accept; pass --no-ignore-eos for servers that refuse it).
+
+Arrivals: --request-rate R sends a Poisson process (gamma intervals with --burstiness) of R requests/s;
+`inf` sends them all at once. --max-concurrency caps requests in flight; a comma list runs one
+benchmark per value (for the throughput-vs-concurrency plot).
+
+Metrics per request, from the client's clock: TTFT (send to the first non-empty text chunk), ITL (gaps
+between text chunks), TPOT ((E2EL - TTFT) / (output tokens - 1)), E2EL (send to the end of the stream).
+Token counts come from the server's usage (stream_options.include_usage). Aggregates: request
+throughput, output and total token throughput, and mean / median / p90 / p99 of each latency.
+
+The JSON record (`record_type: serve_benchmark`) holds the workload, the summary, the environment and
+the per-request lengths and latencies; `python -m kernel_lab.server.plots` draws figures from records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RECORD_TYPE = "serve_benchmark"
+RECORD_VERSION = 1
+PERCENTILES = (50, 90, 99)
+
+
+# ====================================================================== workload
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def load_tokenizer(spec: str | None):
+    """A tokenizer with encode/decode/vocab_size: a tokenizer.json, a directory holding one, or (None)
+    the bundled default model's."""
+    from tokenizers import Tokenizer as Backend
+
+    if spec:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        return _BackendTokenizer(Backend.from_file(str(path)))
+    from kernel_lab.models.gguf import export_hf_directory
+    from kernel_lab.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_directory(export_hf_directory())
+
+
+class _BackendTokenizer:
+    def __init__(self, backend):
+        self.backend = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    special = getattr(tokenizer, "all_special_ids", None)
+    if special is not None:
+        return set(special)
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:
+        return {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+    return set()
+
+
+def _prompt_of_length(tokenizer, rng: random.Random, length: int, candidates: list[int]) -> tuple[str, int]:
+    """Random token ids decoded to text whose re-encoding (without special tokens) has `length` tokens;
+    retokenisation merges or splits a few tokens, so top up or trim and retry a few times."""
+    ids = [rng.choice(candidates) for _ in range(length)]
+    text = tokenizer.decode(ids)
+    for _ in range(8):
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == length:
+            break
+        if len(encoded) > length:
+            encoded = encoded[:length]
+        else:
+            encoded = encoded + [rng.choice(candidates) for _ in range(length - len(encoded))]
+        text = tokenizer.decode(encoded)
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def build_workload(
+    tokenizer,
+    *,
+    dataset: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+) -> list[BenchRequest]:
+    if dataset not in ("random", "fixed"):
+        raise ValueError(f"dataset must be 'random' or 'fixed', got {dataset!r}")
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise ValueError("num_prompts, input_len and output_len must be at least 1")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    ratio = range_ratio if dataset == "random" else 0.0
+    rng = random.Random(seed)
+    special = _special_ids(tokenizer)
+    # Plain-text tokens only: skip special ids and the byte-level single-byte range at the bottom.
+    candidates = [
+        i for i in range(min(256, tokenizer.vocab_size // 2), tokenizer.vocab_size) if i not in special
+    ]
+    requests = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio))))
+        n_out = rng.randint(max(1, int(output_len * (1 - ratio))), max(1, int(output_len * (1 + ratio))))
+        text, actual = _prompt_of_length(tokenizer, rng, n_in, candidates)
+        requests.append(BenchRequest(text, actual, n_out))
+    return requests
+
+
+def arrival_delays(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: zeros for an infinite rate, else gamma-distributed gaps with
+    mean 1/rate (burstiness 1 is a Poisson process; lower is burstier)."""
+    if request_rate == float("inf"):
+        return [0.0] * n
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("request_rate and burstiness must be positive")
+    rng = random.Random(seed ^ 0x5EED)
+    return [rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)) for _ in range(n)]
+
+
+# ====================================================================== client
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+    text: str = ""
+
+
+async def send_request(
+    client,
+    url: str,
+    endpoint: str,
+    model: str,
+    request: BenchRequest,
+    *,
+    ignore_eos: bool,
+    api_key: str | None,
+    timeout_s: float,
+) -> RequestResult:
+    chat = endpoint.endswith("/chat/completions")
+    payload = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        payload["prompt"] = request.prompt
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    result = RequestResult(prompt_len=request.prompt_len)
+    chunks: list[str] = []
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream(
+            "POST", url + endpoint, json=payload, headers=headers, timeout=timeout_s
+        ) as rsp:
+            if rsp.status_code != 200:
+                body = (await rsp.aread()).decode(errors="replace")
+                result.error = f"HTTP {rsp.status_code}: {body[:300]}"
+                return result
+            usage = None
+            async for line in rsp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = f"in-stream error: {event['error']}"
+                    return result
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if not chunks:
+                            result.ttft_s = now - start
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                        chunks.append(text)
+            result.e2el_s = time.perf_counter() - start
+            result.text = "".join(chunks)
+            if usage:
+                result.output_tokens = int(usage.get("completion_tokens") or 0)
+                result.prompt_len = int(usage.get("prompt_tokens") or request.prompt_len)
+            else:  # a server without usage in streams: one token per chunk is the best guess
+                result.output_tokens = len(chunks)
+            result.success = bool(chunks) or result.output_tokens > 0
+            if not result.success:
+                result.error = "empty completion"
+    except Exception as exc:  # noqa: BLE001 - a failed request is data, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_benchmark(
+    base_url: str,
+    endpoint: str,
+    model: str,
+    requests: list[BenchRequest],
+    *,
+    request_rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    seed: int,
+    ignore_eos: bool,
+    api_key: str | None,
+    timeout_s: float = 600.0,
+    progress: bool = False,
+) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    limit = max_concurrency or len(requests)
+    semaphore = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    delays = arrival_delays(len(requests), request_rate, burstiness, seed)
+    done = 0
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+
+        async def one(request: BenchRequest) -> RequestResult:
+            nonlocal done
+            async with semaphore:
+                result = await send_request(
+                    client,
+                    base_url,
+                    endpoint,
+                    model,
+                    request,
+                    ignore_eos=ignore_eos,
+                    api_key=api_key,
+                    timeout_s=timeout_s,
+                )
+            done += 1
+            if progress:
+                print(f"\r  {done}/{len(requests)} requests", end="", file=sys.stderr, flush=True)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for request, delay in zip(requests, delays, strict=False):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(request)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if progress:
+        print(file=sys.stderr)
+    return list(results), duration
+
+
+# ====================================================================== summary
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _stats_ms(values_s: list[float]) -> dict:
+    ms = [v * 1e3 for v in values_s]
+    out = {
+        "mean": statistics.fmean(ms) if ms else 0.0,
+        "median": statistics.median(ms) if ms else 0.0,
+        "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0,
+        "count": len(ms),
+    }
+    for q in PERCENTILES:
+        out[f"p{q}"] = _percentile(ms, q)
+    return out
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "duration_s": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration_s if duration_s else 0.0,
+        "output_throughput": output_tokens / duration_s if duration_s else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s else 0.0,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": _stats_ms(tpots),
+        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
+        "e2el_ms": _stats_ms([r.e2el_s for r in ok]),
+        "errors": sorted({r.error for r in results if not r.success})[:10],
+    }
+
+
+def format_summary(record: dict) -> str:
+    m = record["metrics"]
+    lines = [
+        f"============ Serving Benchmark Result ({record['server_label']}, {record['device']}) ============",
+        f"{'Max concurrency:':<40}{record['max_concurrency'] or 'unlimited'}",
+        f"{'Request rate (req/s):':<40}{record['request_rate']}",
+        f"{'Successful requests:':<40}{m['completed']}",
+        f"{'Failed requests:':<40}{m['failed']}",
+        f"{'Benchmark duration (s):':<40}{m['duration_s']:.2f}",
+        f"{'Total input tokens:':<40}{m['total_input_tokens']}",
+        f"{'Total generated tokens:':<40}{m['total_output_tokens']}",
+        f"{'Request throughput (req/s):':<40}{m['request_throughput']:.2f}",
+        f"{'Output token throughput (tok/s):':<40}{m['output_throughput']:.2f}",
+        f"{'Total token throughput (tok/s):':<40}{m['total_token_throughput']:.2f}",
+    ]
+    for key, title in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
+        s = m[key]
+        lines.append(f"{('-' * 12 + title + '-' * 12):-^60}")
+        for stat in ("mean", "median", "p90", "p99"):
+            lines.append(f"{stat.capitalize() + ' ' + key.split('_')[0].upper() + ' (ms):':<40}{s[stat]:.2f}")
+    for error in m["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+# ====================================================================== entry points
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions")
+    )
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or a directory holding one (default: the bundled model's)",
+    )
+    parser.add_argument("--dataset-name", default="random", choices=("random", "fixed"))
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128)
+    parser.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
+    parser.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=0.5)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s of a Poisson arrival process (default inf: all at once)",
+    )
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument(
+        "--max-concurrency",
+        default=None,
+        help="cap on requests in flight; a comma list runs one benchmark per value",
+    )
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    parser.add_argument(
+        "--server-label",
+        default=None,
+        help="name of the server in records and plots (default: the model's owner/root)",
+    )
+    parser.add_argument("--result-dir", default=None, help="write one JSON record per run here")
+    parser.add_argument("--label", default="", help="free text stored in the record")
+
+
+def _concurrency_levels(spec: str | None) -> list[int | None]:
+    if spec in (None, ""):
+        return [None]
+    levels = [int(x) for x in str(spec).split(",") if x.strip()]
+    if any(level < 1 for level in levels):
+        raise ValueError("--max-concurrency values must be at least 1")
+    return levels
+
+
+def _discover_model(base_url: str, api_key: str | None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rsp = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+    rsp.raise_for_status()
+    return rsp.json()["data"][0]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def benchmark_once(
+    args,
+    requests: list[BenchRequest],
+    model: str,
+    server_label: str,
+    concurrency: int | None,
+    env: dict,
+    device: str,
+) -> dict:
+    results, duration = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.endpoint,
+            model,
+            requests,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=concurrency,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+            progress=sys.stderr.isatty(),
+        )
+    )
+    rate = args.request_rate
+    return {
+        "record_type": RECORD_TYPE,
+        "record_version": RECORD_VERSION,
+        "date": env.get("date"),
+        "label": args.label,
+        "server_label": server_label,
+        "device": device,
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "dataset": {
+            "name": args.dataset_name,
+            "num_prompts": len(requests),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio if args.dataset_name == "random" else 0.0,
+            "seed": args.seed,
+            "ignore_eos": args.ignore_eos,
+        },
+        "request_rate": "inf" if rate == float("inf") else rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": concurrency,
+        "metrics": summarize(results, duration),
+        "requests": [
+            {
+                "prompt_len": r.prompt_len,
+                "output_tokens": r.output_tokens,
+                "ttft_ms": r.ttft_s * 1e3,
+                "e2el_ms": r.e2el_s * 1e3,
+                "success": r.success,
+            }
+            for r in results
+        ],
+        "env": env,
+    }
+
+
+def main_from_args(args) -> int:
+    from kernel_lab.harness.env import device_label, environment_record
+
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    args.base_url = args.base_url.rstrip("/")
+    try:
+        levels = _concurrency_levels(args.max_concurrency)
+        info = _discover_model(args.base_url, args.api_key)
+    except ValueError as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001
+        print(f"bench serve: cannot reach {args.base_url}/v1/models: {exc}", file=sys.stderr)
+        return 1
+    model = args.model or info["id"]
+    server_label = args.server_label or info.get("owned_by") or "server"
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = build_workload(
+        tokenizer,
+        dataset=args.dataset_name,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        seed=args.seed,
+    )
+    env = environment_record()
+    device = device_label(env) + " (server on the same machine)"
+    # one request first, outside the measurement: connection set-up and any lazy server work
+    warm = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.endpoint,
+            model,
+            requests[:1],
+            request_rate=float("inf"),
+            burstiness=1.0,
+            max_concurrency=1,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+        )
+    )[0][0]
+    if not warm.success:
+        print(f"bench serve: the warm-up request failed: {warm.error}", file=sys.stderr)
+        return 1
+    status = 0
+    for concurrency in levels:
+        record = benchmark_once(args, requests, model, server_label, concurrency, env, device)
+        print(format_summary(record))
+        if record["metrics"]["failed"]:
+            status = 1
+        if args.result_dir:
+            out = Path(args.result_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            name = (
+                f"{_slug(server_label)}-{args.dataset_name}-in{args.input_len}-out{args.output_len}-"
+                f"c{concurrency or 'inf'}-r{record['request_rate']}.json"
+            )
+            (out / name).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            print(f"wrote {out / name}")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kernel-lab bench serve", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["BenchRequest", "RequestResult", "build_workload", "run_benchmark", "summarize"]

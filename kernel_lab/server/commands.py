@@ -1,0 +1,149 @@
+"""`kernel-lab serve` and `kernel-lab bench serve` (flag names follow vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+import threading
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as `model` (default: the engine's model name)",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: loopback only; anything else is reachable from outside)",
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KERNEL_LAB_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 routes (env: KERNEL_LAB_API_KEY)",
+    )
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=512,
+        help="bound on requests waiting for their first token; beyond it the server answers "
+        "429 with Retry-After",
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def engine_kwargs_from_args(args) -> dict:
+    kwargs = dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_kv_blocks is not None:
+        kwargs["num_kv_blocks"] = args.num_kv_blocks
+    return kwargs
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from .async_engine import AsyncEngine
+    from .openai_api import build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("kernel_lab.server")
+    if not _is_loopback(args.host):
+        log.warning(
+            "binding to %s: the server is reachable from other machines%s",
+            args.host,
+            "" if args.api_key else " and has no --api-key",
+        )
+    if args.max_waiting < 1:
+        print("--max-waiting must be at least 1", file=sys.stderr)
+        return 2
+    kwargs = engine_kwargs_from_args(args)
+
+    def build_engine():
+        from kernel_lab.engine import LLMEngine
+
+        log.info("loading the engine: %s", {k: v for k, v in kwargs.items() if v is not None})
+        return LLMEngine(**kwargs)
+
+    async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
+    app = build_app(
+        async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    )
+    failed = threading.Event()
+
+    def watch_engine():
+        async_engine.ready_event.wait()
+        if async_engine.state == "failed":
+            log.error("the engine failed to load: %r; shutting down", async_engine.error)
+            failed.set()
+            server.should_exit = True
+        else:
+            log.info(
+                "ready: http://%s:%d/v1 (model %s)",
+                args.host,
+                args.port,
+                args.served_model_name or getattr(async_engine.engine, "model_name", "?"),
+            )
+
+    threading.Thread(target=watch_engine, daemon=True, name="engine-watch").start()
+    server.run()
+    return 1 if failed.is_set() else 0
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench_serve import add_arguments
+
+    add_arguments(parser)
+
+
+def run_bench_serve(args) -> int:
+    from .bench_serve import main_from_args
+
+    return main_from_args(args)
