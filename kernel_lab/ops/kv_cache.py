@@ -77,6 +77,13 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     return k_cache, v_cache, k_scale, v_scale
 
 
+def kv_cache_bytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V (plus the two float32 scale tables for fp8) of a paged cache."""
+    element = 1 if dtype == FP8_DTYPE else torch.finfo(dtype).bits // 8
+    data = 2 * num_blocks * block_size * num_kv_heads * head_dim * element
+    return data + (2 * num_blocks * num_kv_heads * 4 if dtype == FP8_DTYPE else 0)
+
+
 # --------------------------------------------------------------------------------------------- fp8 helpers
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= amax / 448 (float32, at least MIN_FP8_SCALE); 0 where amax is 0.

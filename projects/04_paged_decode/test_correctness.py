@@ -1,0 +1,370 @@
+"""Project 04 correctness: paged decode attention.
+
+CPU: the reference path (what `paged_decode_attention` runs on CPU) against an independent float64
+formulation; the CPU model of the CUDA kernel's algorithm against the reference; the split plan; input
+validation; and nvcc builds of the torch-free kernel sources for sm_80/89/90 with zero spills.
+GPU (marked): the real extension against the reference, including inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
+from kernel_lab.ops import allocate_kv_cache, paged_decode_attention, write_kv
+from kernel_lab.ops.paged_attention import (
+    HEADS_PER_GROUP,
+    MIN_PARTITION_TOKENS,
+    SplitPlan,
+    kernel_model,
+    paged_decode_attention_reference,
+    plan_splits,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def attention64(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None):
+    """Float64, one sequence and one head at a time, token by token through the block table."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros((batch, num_q_heads, head_dim), dtype=torch.float64)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        pages = [int(block_tables[b, t // block_size]) for t in range(length)]
+        offsets = [t % block_size for t in range(length)]
+        k = torch.stack([k_cache[p, o].double() for p, o in zip(pages, offsets)])       # [L, Hkv, D]
+        v = torch.stack([v_cache[p, o].double() for p, o in zip(pages, offsets)])
+        if k_scale is not None:
+            k = k * torch.stack([k_scale[p].double() for p in pages])[..., None]
+            v = v * torch.stack([v_scale[p].double() for p in pages])[..., None]
+        for h in range(num_q_heads):
+            logits = k[:, h // group] @ q[b, h].double() * scale
+            weights = torch.exp(logits - logits.max())
+            out[b, h] = (weights / weights.sum()) @ v[:, h // group]
+    return out
+
+
+def make_case(seed, *, batch, num_q_heads, num_kv_heads, head_dim, block_size, lengths, max_blocks=None,
+              dtype=torch.float16, cache_dtype=None, shared=True, device="cpu", num_blocks=None):
+    """Random paged inputs: a shuffled pool, prefix blocks shared between sequences, -1 padding past each
+    sequence's last block, and the cache filled through write_kv (fp8 pages get real page scales)."""
+    cache_dtype = cache_dtype or dtype
+    needed = [-(-n // block_size) for n in lengths]
+    max_blocks = max_blocks or max(max(needed), 1)
+    num_blocks = num_blocks or sum(needed) + 3
+    g = generator(seed)
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    owned = []
+    for b, n in enumerate(needed):
+        row = [pool.pop() for _ in range(n)]
+        if shared and b > 0 and needed[0] > 0 and n > 1:
+            row[0] = int(tables[0, 0])  # a shared prefix block
+        tables[b, :n] = torch.tensor(row, dtype=torch.int32)
+        owned.append(row)
+    k_cache, v_cache, k_scale, v_scale = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim,
+                                                           cache_dtype, "cpu")
+    # Fill every slot of the pool, so masked tails hold real data a kernel would wrongly include.
+    slots = torch.arange(num_blocks * block_size, dtype=torch.int64)
+    src_dtype = dtype if cache_dtype != torch.float8_e4m3fn else torch.float32
+    keys = randn((slots.numel(), num_kv_heads, head_dim), src_dtype, "cpu", seed + 1)
+    values = randn((slots.numel(), num_kv_heads, head_dim), src_dtype, "cpu", seed + 2)
+    write_kv(keys, values, k_cache, v_cache, slots, k_scale, v_scale)
+    q = randn((batch, num_q_heads, head_dim), dtype, "cpu", seed + 3)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    tensors = [q, k_cache, v_cache, tables, seq_lens, k_scale, v_scale]
+    return [t.to(device) if t is not None else None for t in tensors]
+
+
+# --------------------------------------------------------------------------------------------- reference
+# Every GQA ratio (MHA, 2, 4, a non-power-of-two 7, 8, 16, MQA), each block size and head dim, lengths
+# 1, block_size, block_size + 1 and the table's maximum in one batch.
+REFERENCE_CASES = [
+    # (num_q_heads, num_kv_heads, head_dim, block_size)
+    (4, 4, 64, 8), (8, 4, 128, 16), (8, 2, 64, 32), (14, 2, 128, 64), (16, 2, 64, 16), (16, 1, 256, 8),
+    (32, 2, 64, 8), (12, 1, 128, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", REFERENCE_CASES)
+def test_reference_matches_float64(num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    max_blocks = 5
+    lengths = [1, block_size, block_size + 1, max_blocks * block_size, 3 * block_size - 2]
+    seed = case_seed("ref", num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    q, kc, vc, bt, sl, ks, vs = make_case(seed, batch=len(lengths), num_q_heads=num_q_heads,
+                                          num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                                          lengths=lengths, max_blocks=max_blocks, dtype=dtype)
+    out = poison(torch.empty_like(q))
+    result = paged_decode_attention(q, kc, vc, bt, sl, out=out)
+    assert result.data_ptr() == out.data_ptr() and result.dtype == dtype
+    assert_close(out, attention64(q, kc, vc, bt, sl, head_dim ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_custom_scale_and_long_context(dtype):
+    lengths = [2000, 1, 777]
+    q, kc, vc, bt, sl, _, _ = make_case(case_seed("long", dtype), batch=3, num_q_heads=8, num_kv_heads=2,
+                                        head_dim=64, block_size=64, lengths=lengths, dtype=dtype)
+    q = q * 4  # peaky softmax
+    out = paged_decode_attention(q, kc, vc, bt, sl, scale=0.3)
+    assert_close(out, attention64(q, kc, vc, bt, sl, 0.3), dtype)
+
+
+def test_zero_length_rows_are_zero_and_padding_is_never_read():
+    q, kc, vc, bt, sl, _, _ = make_case(5, batch=3, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                        lengths=[17, 0, 3], max_blocks=4, dtype=torch.float32)
+    assert int(bt[1, 0]) == -1 and int(bt[0, 3]) == -1  # padding entries are -1: reading one would fail
+    out = paged_decode_attention(q, kc, vc, bt, sl)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out, attention64(q, kc, vc, bt, sl, 64 ** -0.5), torch.float32)
+
+
+def test_strided_q_out_and_interleaved_cache_layout():
+    """q sliced out of a fused QKV buffer, out a strided view, K/V as views of one [N, 2, bs, H, D] pool."""
+    num_blocks, block_size, heads, head_dim = 12, 16, 2, 64
+    pool = randn((num_blocks, 2, block_size, heads, head_dim), torch.float16, "cpu", 3)
+    kc, vc = pool[:, 0], pool[:, 1]
+    qkv = randn((3, 8 + 2 * heads, head_dim), torch.float16, "cpu", 4)
+    q = qkv[:, :8]
+    bt = torch.tensor([[3, 7, 1], [0, 11, -1], [5, -1, -1]], dtype=torch.int32)
+    sl = torch.tensor([40, 20, 9], dtype=torch.int32)
+    out_base = poison(torch.empty((3, 8, 2 * head_dim), dtype=torch.float16))
+    out = out_base[:, :, :head_dim]
+    paged_decode_attention(q, kc, vc, bt, sl, out=out)
+    assert_close(out, attention64(q, kc, vc, bt, sl, head_dim ** -0.5), torch.float16)
+    assert torch.isnan(out_base[:, :, head_dim:].float()).all(), "wrote outside out"
+
+
+def test_inputs_are_not_modified():
+    q, kc, vc, bt, sl, _, _ = make_case(9, batch=2, num_q_heads=4, num_kv_heads=1, head_dim=128, block_size=8,
+                                        lengths=[9, 30], dtype=torch.bfloat16)
+    before = [t.clone() for t in (q, kc, vc, bt, sl)]
+    paged_decode_attention(q, kc, vc, bt, sl)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, kc, vc, bt, sl)))
+
+
+# --------------------------------------------------------------------------------------------- split plan
+@pytest.mark.parametrize("batch, hq, hkv, max_blocks, bs, sms", [
+    (1, 32, 32, 2048, 16, 132), (1, 64, 8, 512, 64, 132), (256, 32, 8, 128, 16, 132), (3, 8, 8, 1, 8, 132),
+    (7, 28, 4, 33, 32, 108), (2, 71, 1, 100, 16, 132), (64, 32, 32, 128, 16, 132),
+])
+def test_split_plan_covers_every_block_and_fills_the_gpu(batch, hq, hkv, max_blocks, bs, sms):
+    plan = plan_splits(batch, hq, hkv, max_blocks, bs, sms)
+    group = hq // hkv
+    assert plan.heads_per_group <= HEADS_PER_GROUP and plan.head_groups * plan.heads_per_group >= group
+    assert (plan.head_groups - 1) * plan.heads_per_group < group, "an empty head group"
+    assert plan.num_splits * plan.partition_blocks >= max_blocks
+    assert (plan.num_splits - 1) * plan.partition_blocks < max_blocks, "an always-empty split"
+    if plan.num_splits > 1:
+        assert plan.partition_blocks * bs >= MIN_PARTITION_TOKENS
+    ctas = batch * hkv * plan.head_groups
+    if ctas < sms and max_blocks * bs >= 2 * MIN_PARTITION_TOKENS:
+        assert plan.num_splits > 1, "a small batch over a long table must be split"
+    if ctas >= 2 * sms:
+        assert plan.num_splits == 1
+
+
+# --------------------------------------------------------------------------------------------- CPU model
+MODEL_CASES = [
+    # (hq, hkv, head_dim, block_size, lengths, dtype, cache dtype, plan)
+    (4, 4, 64, 8, [1, 8, 9, 40], torch.float16, None, None),
+    (8, 2, 128, 16, [33, 1, 64], torch.bfloat16, None, SplitPlan(1, 4, 1, 4)),       # one block per split
+    (7, 1, 64, 8, [50, 17], torch.float32, None, SplitPlan(1, 7, 2, 4)),             # odd group, 2-block splits
+    (16, 1, 64, 16, [45, 2], torch.float16, None, SplitPlan(2, 8, 1, 3)),            # two head groups of 8
+    (6, 2, 256, 32, [70, 32, 33], torch.float16, torch.float8_e4m3fn, SplitPlan(1, 3, 1, 3)),
+    (8, 8, 64, 64, [130, 64, 65], torch.bfloat16, torch.float8_e4m3fn, None),
+    (4, 2, 128, 8, [24, 0, 1], torch.float16, None, SplitPlan(1, 2, 2, 2)),         # a zero-length row
+]
+
+
+@pytest.mark.parametrize("hq, hkv, head_dim, block_size, lengths, dtype, cache_dtype, plan", MODEL_CASES)
+def test_kernel_model_matches_reference(hq, hkv, head_dim, block_size, lengths, dtype, cache_dtype, plan):
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    if plan is not None:
+        max_blocks = plan.num_splits * plan.partition_blocks - (plan.partition_blocks - 1)
+        assert max_blocks * block_size >= max(lengths)
+    seed = case_seed("model", hq, hkv, head_dim, block_size, lengths, dtype, cache_dtype)
+    q, kc, vc, bt, sl, ks, vs = make_case(seed, batch=len(lengths), num_q_heads=hq, num_kv_heads=hkv,
+                                          head_dim=head_dim, block_size=block_size, lengths=lengths,
+                                          max_blocks=max_blocks, dtype=dtype, cache_dtype=cache_dtype)
+    q = q * 3  # make the running max change along the sequence, so the rescales matter
+    modelled = kernel_model(q.float(), kc, vc, bt, sl, 0.2, ks, vs, plan=plan)
+    reference = paged_decode_attention_reference(q.float(), kc, vc, bt, sl, 0.2, ks, vs)
+    assert_close(modelled, attention64(q.float(), kc, vc, bt, sl, 0.2, ks, vs), torch.float32)
+    assert_close(modelled, reference.double(), torch.float32)
+
+
+def test_kernel_model_uses_the_shape_plan_by_default():
+    """With the default plan on a small batch the model really splits (and still matches)."""
+    lengths = [600, 5]
+    q, kc, vc, bt, sl, _, _ = make_case(21, batch=2, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=64,
+                                        lengths=lengths, max_blocks=16, dtype=torch.float32)
+    assert plan_splits(2, 2, 1, 16, 64, 132).num_splits > 1
+    assert_close(kernel_model(q, kc, vc, bt, sl), attention64(q, kc, vc, bt, sl, 0.125), torch.float32)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def _good(dtype=torch.float16):
+    q, kc, vc, bt, sl, _, _ = make_case(1, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                        lengths=[20, 5], max_blocks=2, dtype=dtype, shared=False)
+    return dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, seq_lens=sl)
+
+
+def _with(**changes):
+    args = _good()
+    args.update(changes)
+    return args
+
+
+BAD_INPUTS = [
+    (lambda a: _with(q=a["q"].int()), TypeError, "q must have dtype"),
+    (lambda a: _with(q=a["q"].float()), TypeError, "k_cache must have q's dtype"),
+    (lambda a: _with(v_cache=a["v_cache"].float()), TypeError, "v_cache must have dtype"),
+    (lambda a: _with(q=a["q"][:, :3]), ValueError, "multiple of the cache's num_kv_heads"),
+    (lambda a: _with(q=a["q"][..., :32]), ValueError, "q head_dim"),
+    (lambda a: _with(q=a["q"][0]), ValueError, "q must be 3-D"),
+    (lambda a: _with(q=torch.empty(2, 4, 128, dtype=torch.float16)[..., ::2]), ValueError, "q must be contiguous"),
+    (lambda a: _with(k_cache=a["k_cache"][:, :, :, :48].contiguous(), v_cache=a["v_cache"][:, :, :, :48]
+                     .contiguous(), q=a["q"][..., :48]), ValueError, "head_dim"),
+    (lambda a: _with(k_cache=a["k_cache"][:, :12].contiguous(), v_cache=a["v_cache"][:, :12].contiguous()),
+     ValueError, "block_size"),
+    (lambda a: _with(v_cache=a["v_cache"][:-1]), ValueError, "v_cache must have k_cache's shape"),
+    (lambda a: _with(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "dense"),
+    (lambda a: _with(block_tables=a["block_tables"].long()), TypeError, "block_tables must have dtype"),
+    (lambda a: _with(block_tables=a["block_tables"][:1]), ValueError, "block_tables must have shape"),
+    (lambda a: _with(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens must have dtype"),
+    (lambda a: _with(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens must have shape"),
+    (lambda a: {**_good(), "scale": -1.0}, ValueError, "scale must be"),
+    (lambda a: {**_good(), "out": torch.empty(2, 4, 63, dtype=torch.float16)}, ValueError, "out must have shape"),
+    (lambda a: {**_good(), "k_scale": torch.ones(40, 2)}, ValueError, "k_scale is only used"),
+    (lambda a: _with(seq_lens=torch.tensor([33, 5], dtype=torch.int32)), ValueError, r"seq_lens\[0\] = 33"),
+    (lambda a: _with(seq_lens=torch.tensor([3, -1], dtype=torch.int32)), ValueError, r"seq_lens\[1\] = -1"),
+    (lambda a: _with(block_tables=torch.tensor([[0, 999], [1, -1]], dtype=torch.int32)), ValueError,
+     r"block_tables\[0, 1\] = 999 is outside the pool"),
+    (lambda a: _with(block_tables=torch.tensor([[0, 2], [-1, 3]], dtype=torch.int32)), ValueError,
+     r"block_tables\[1, 0\] = -1"),
+]
+
+
+@pytest.mark.parametrize("make, error, pattern", BAD_INPUTS)
+def test_bad_input_is_rejected_with_a_named_argument(make, error, pattern):
+    with pytest.raises(error, match=pattern):
+        paged_decode_attention(**make(_good()))
+
+
+def test_fp8_cache_needs_scales():
+    kc, vc, ks, vs = allocate_kv_cache(4, 16, 2, 64, torch.float8_e4m3fn, "cpu")
+    args = dict(q=randn((1, 2, 64), torch.float16, "cpu", 1), k_cache=kc, v_cache=vc,
+                block_tables=torch.zeros((1, 1), dtype=torch.int32), seq_lens=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="k_scale is required"):
+        paged_decode_attention(**args)
+    with pytest.raises(ValueError, match="v_scale must have shape"):
+        paged_decode_attention(**args, k_scale=ks, v_scale=vs[:2])
+    with pytest.raises(TypeError, match="k_scale must have dtype"):
+        paged_decode_attention(**args, k_scale=ks.double(), v_scale=vs)
+
+
+def test_engine_style_fp32_cpu_round_trip():
+    """The engine's CPU path: fp32 cache from allocate_kv_cache, written with write_kv, then decoded."""
+    kc, vc, ks, vs = allocate_kv_cache(6, 8, 2, 64, torch.float32, "cpu")
+    assert ks is None and vs is None and kc.shape == (6, 8, 2, 64) and not kc.any()
+    key = randn((11, 2, 64), torch.float32, "cpu", 1)
+    value = randn((11, 2, 64), torch.float32, "cpu", 2)
+    bt = torch.tensor([[4, 1]], dtype=torch.int32)
+    slots = torch.tensor([4 * 8 + i for i in range(8)] + [1 * 8 + i for i in range(3)])
+    write_kv(key, value, kc, vc, slots)
+    q = randn((1, 4, 64), torch.float32, "cpu", 3)
+    out = paged_decode_attention(q, kc, vc, bt, torch.tensor([11], dtype=torch.int32))
+    expected = torch.softmax(torch.einsum("hgd,thd->hgt", q.view(2, 2, 64), key) / 8, -1)
+    expected = torch.einsum("hgt,thd->hgd", expected, value).reshape(1, 4, 64)
+    assert_close(out, expected.double(), torch.float32)
+
+
+# --------------------------------------------------------------------------------------------- compile
+@pytest.fixture(scope="module")
+def compiled():
+    from kernel_lab.ops.cuda_extension import compile_kernels
+
+    return compile_kernels("paged_attention")
+
+
+def test_kernel_sources_build_for_every_target_without_spills(compiled):
+    assert set(compiled) == {80, 89, 90}
+    for capability, report in compiled.items():
+        assert report["functions"] >= 24, (capability, report["functions"])
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (capability, report["log"][-3000:])
+        assert report["stack_frame"] == 0, (capability, "local memory stack frame")
+
+
+def test_sass_reads_kv_with_wide_loads(compiled):
+    for capability, report in compiled.items():
+        loads = set(re.findall(r"LDG\.E[A-Z0-9.]*", report["sass"]))
+        assert any(op.endswith(".128") for op in loads), (capability, loads)  # fp16/bf16 K/V rows
+        assert any(op.endswith(".64") for op in loads), (capability, loads)   # fp8 K/V rows
+        assert "BAR.SYNC" in report["sass"] or "BAR.SYNC.DEFER_BLOCKING" in report["sass"]
+
+
+# --------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    # (batch, hq, hkv, head_dim, block_size, max_len)
+    (1, 32, 32, 128, 16, 32768), (4, 32, 8, 128, 16, 4000), (33, 28, 4, 128, 32, 700), (2, 8, 1, 256, 64, 5000),
+    (64, 16, 2, 64, 8, 300), (3, 64, 4, 128, 16, 2050), (5, 71, 1, 64, 32, 900),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", GPU_CASES)
+def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype):
+    g = generator(case_seed("gpu-len", batch, max_len))
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
+    lengths[0] = max_len
+    if batch > 2:
+        lengths[1], lengths[2] = 1, block_size + 1
+    seed = case_seed("gpu", batch, hq, hkv, head_dim, block_size, max_len, dtype)
+    q, kc, vc, bt, sl, _, _ = make_case(seed, batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                                        block_size=block_size, lengths=lengths, dtype=dtype, device="cuda")
+    out = poison(torch.empty_like(q))
+    paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True)
+    reference = paged_decode_attention_reference(q, kc, vc, bt, sl)
+    assert_close(out, reference.double(), dtype, scale=2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_under_cuda_graph_with_changing_lengths():
+    q, kc, vc, bt, sl, _, _ = make_case(77, batch=8, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                                        lengths=[3000, 1, 17, 2048, 5, 999, 64, 0], dtype=torch.bfloat16,
+                                        device="cuda")
+    out = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, bt, sl, out=out)  # warm up (builds the extension)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kc, vc, bt, sl, out=out)
+    sl.copy_(torch.tensor([1, 3000, 2000, 17, 0, 5, 1000, 33], dtype=torch.int32))
+    q.copy_(randn(q.shape, q.dtype, "cuda", 78))
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, paged_decode_attention_reference(q, kc, vc, bt, sl).double(), torch.bfloat16, scale=2.0)
+    assert torch.equal(out[4].float(), torch.zeros_like(out[4].float()))
+
+
+@pytest.mark.gpu
+def test_gpu_validate_refuses_graph_capture_and_catches_bad_tables():
+    q, kc, vc, bt, sl, _, _ = make_case(5, batch=2, num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=16,
+                                        lengths=[40, 5], dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decode_attention(q, kc, vc, bt.clone().fill_(10_000), sl, validate=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            paged_decode_attention(q, kc, vc, bt, sl, validate=True)
