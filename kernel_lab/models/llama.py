@@ -1,0 +1,286 @@
+"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) built on `kernel_lab.ops`.
+
+    x = embed(ids)
+    for each layer:  h = x + o_proj(attention(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_norm(x))
+                     x = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
+    logits = lm_head(rms_norm(x))
+
+The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
+place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
+q, k, v and gate, up are each one fused GEMM (vLLM's layout, which `silu_and_mul` expects: [gate | up]).
+Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernel_lab import ops
+
+from .attention import AttentionMetadata, LayerKVCache, paged_attention
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, config: dict) -> ModelConfig:
+        from .loader import SUPPORTED_ARCHITECTURES
+
+        arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported model architecture {config.get('architectures')!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = int(config["num_attention_heads"])
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.get('hidden_act')!r} (only silu)")
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=int(window) if window else None,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        per_layer = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotary frequencies, computed as transformers computes them (so fp32 results match)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(
+            scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {scaling!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style ("rotate half") RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(config)[None, :]       # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                           # [P, D]
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (computed in fp32, returned in q's dtype)."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.config = config
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.input_norm = _param(weights["input_layernorm.weight"])
+        self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
+        self.qkv_proj = _param(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]))
+        self.qkv_bias = _param(torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])) \
+            if config.qkv_bias else None
+        self.o_proj = _param(weights["self_attn.o_proj.weight"])
+        self.gate_up_proj = _param(torch.cat([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+        self.down_proj = _param(weights["mlp.down_proj.weight"])
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, positions, hidden, residual, rotary: RotaryEmbedding, cache: LayerKVCache,
+                meta: AttentionMetadata):
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_norm, eps)
+        else:
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        tokens, d = hidden.shape[0], self.config.head_dim
+        q, k = rotary(positions, q.view(tokens, -1, d), k.view(tokens, -1, d))
+        attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)
+        hidden = F.linear(attn.view(tokens, -1), self.o_proj)
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
+        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / SmolLM2 / Mistral. Qwen2 differs only by the q/k/v bias (see Qwen2ForCausalLM)."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int):
+        super().__init__()
+        self.config = config
+        missing = [n for n in expected_weight_names(config) if n not in state_dict]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of a {config.architecture}, "
+                             f"e.g. {missing[:3]}")
+
+        def take(name):  # move one tensor at a time, so peak memory stays near one copy of the model
+            return state_dict.pop(name).to(device=device, dtype=dtype)
+
+        self.embed_tokens = _param(take("model.embed_tokens.weight"))
+        self.layers = nn.ModuleList()
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            names = [n for n in list(state_dict) if n.startswith(prefix)]
+            self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}))
+        self.norm = _param(take("model.norm.weight"))
+        if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _param(take("lm_head.weight"))
+        self.rotary = RotaryEmbedding(config, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] (normalised) for the flat batch."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, self.rotary, cache, meta)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    for i in range(config.num_layers):
+        names += [f"model.layers.{i}.{p}.weight" for p in parts]
+        if config.qkv_bias:
+            names += [f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                max_positions: int) -> LlamaForCausalLM:
+    """The decoder for `config`, taking (and emptying) `state_dict`."""
+    model = MODEL_CLASSES[config.architecture](config, state_dict, dtype, torch.device(device), max_positions)
+    return model.eval()
+
+
+def random_state_dict(config: ModelConfig, dtype=torch.float32, device="cpu", seed: int = 0):
+    """Random weights for a config (benchmarks of model shapes without a checkpoint). Norm weights are 1
+    and projections are scaled by 1/sqrt(fan_in), so activations stay in range through many layers."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = {}
+    h, d = config.hidden_size, config.head_dim
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (config.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, config.num_heads * d),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+        })
+        if config.qkv_bias:
+            for name, rows in (("q", config.num_heads * d), ("k", config.num_kv_heads * d),
+                               ("v", config.num_kv_heads * d)):
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+    shapes["model.embed_tokens.weight"] = (config.vocab_size, h)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    state = {}
+    for name, shape in shapes.items():
+        fan_in = shape[-1] if len(shape) == 2 else 1
+        t = torch.randn(shape, generator=g) * (fan_in ** -0.5 if "embed" not in name else 1.0)
+        state[name] = t.to(device=device, dtype=dtype)
+    for i in range(config.num_layers):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            state[f"model.layers.{i}.{n}.weight"] = torch.ones(h, dtype=dtype, device=device)
+    state["model.norm.weight"] = torch.ones(h, dtype=dtype, device=device)
+    return state

@@ -1,0 +1,65 @@
+"""Find and load a model: a Hugging Face directory (config.json + safetensors + tokenizer.json), or a GGUF
+file, which is exported once to a cached Hugging Face directory (see gguf.export_hf_directory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def resolve_model_dir(model=None) -> Path:
+    """The Hugging Face directory for `model`: None (the bundled default), a .gguf file, or a directory."""
+    from .gguf import default_model_path, export_hf_directory
+
+    if model is None:
+        return export_hf_directory(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf" and path.read_bytes()[:4] != b"GGUF":
+            raise ValueError(f"model path {str(model)!r} is a file but not a GGUF file")
+        return export_hf_directory(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {str(model)!r} has no config.json")
+        return path
+    raise FileNotFoundError(
+        f"unknown model path {str(model)!r}: pass a Hugging Face directory, a .gguf file, or None for the "
+        "bundled SmolLM2-135M-Instruct (models are never downloaded)"
+    )
+
+
+def load_config(model_dir) -> dict:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"unsupported model architecture {archs or config.get('model_type')!r} in {str(model_dir)!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def safetensors_files(model_dir) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{str(model_dir)!r} holds no .safetensors weights")
+    return files
+
+
+def load_state_dict(model_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, on CPU in its stored dtype."""
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        state_dict.update(load_file(str(f)))
+    return state_dict
