@@ -1,0 +1,443 @@
+"""Project 03: FP16/BF16 GEMM, one contract with two implementations (Triton here, CuTe DSL in gemm_cute.py).
+
+    C[M, N] = A[M, K] @ B[K, N]       fp16 or bf16 inputs, fp32 accumulation, C in the input dtype
+
+Work: 2*M*N*K FLOPs. Minimum traffic: (M*K + K*N + M*N) * 2 bytes. With 128x128 output tiles each K step
+loads (128 + 128) * BK elements for 2 * 128 * 128 * BK FLOPs, i.e. 128 FLOPs per loaded element: far above
+an H200's ~ 200 FLOP/byte ridge, so square GEMMs are tensor-core bound, while M = 1..16 (decode) is bound
+by reading B once.
+
+Any strides are accepted. The pointer kernels read A and B through (stride_m, stride_k) / (stride_k,
+stride_n), so `matmul(x, w.t())` reads an [N, K] weight in place; Triton's JIT specialises unit strides,
+which keeps 128-bit loads on the contiguous side of either layout.
+
+Three Triton kernels:
+- `_matmul_kernel`: one program per output tile, tiles visited in GROUP_M-tall column groups (grouped
+  ordering) so that consecutive programs share A row-panels and B column-panels in L2. Autotuned on CUDA
+  over a short config list that is pruned by M (decode-sized M gets 16/32-row tiles).
+- `_matmul_persistent_kernel`: the same tile loop, but a grid of one program per SM that walks the tile
+  sequence with a stride of the grid size (no tail wave of partially-filled launches, no per-tile launch
+  cost).
+- `_matmul_tma_kernel` (sm_90+): A, B and C move through host-built TMA tensor descriptors (bulk async
+  copies into swizzled shared memory, out-of-bounds rows/columns zero-filled on load and clipped on store),
+  and Triton lowers the dot to warpgroup MMA (wgmma / HGMMA). A transposed operand is described by its
+  contiguous view and transposed after the load, so the [N, K] weight layout stays copy-free here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import HALF_DTYPES, check_same_device, check_tensor, interpreter_active, use_triton
+
+BACKENDS = ("triton", "cute")
+VARIANTS = ("auto", "tiled", "persistent", "tma")
+
+try:  # host-side TMA descriptors: triton >= 3.4 (present in 3.6 and 3.9)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+
+# --------------------------------------------------------------------------------------------- reference
+def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation, one rounding to the input dtype: what the kernels compute."""
+    return torch.matmul(a.float(), b.float()).to(a.dtype)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile id -> (pid_m, pid_n), walking GROUP_M tile-rows down one tile-column before moving right."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile_id % tiles_per_group
+    return first_m + local % rows, local // rows
+
+
+@triton.jit
+def _tile_accumulate(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    # Row/column indices wrap modulo M/N instead of being masked: the wrapped rows are valid memory, their
+    # results are discarded by the store mask, and the loads in the K loop need only the K mask.
+    offs_m = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
+    offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    # int64 only for the base offsets (M * stride may pass 2^31); the K walk advances the pointers.
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies raw bf16 bit patterns in tl.dot; fp32 is exact there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, M, N, stride_cm, stride_cn, pid_m, pid_n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    M_BUCKET, LAYOUT,  # autotune keys only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    acc = _tile_accumulate(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    _store_tile(c_ptr, acc, M, N, stride_cm, stride_cn, pid_m, pid_n, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _matmul_persistent_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    M_BUCKET, LAYOUT,  # autotune keys only
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = _tile_accumulate(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m,
+                               pid_n, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        _store_tile(c_ptr, acc, M, N, stride_cm, stride_cn, pid_m, pid_n, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    M_BUCKET, LAYOUT,  # autotune keys only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_TRANSPOSED: tl.constexpr, B_TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # a_desc describes A as [M, K] (or A^T as [K, M] when A_TRANSPOSED); b_desc describes B as [K, N] (or
+    # B^T as [N, K] when B_TRANSPOSED, the nn.Linear weight layout). Whichever view has unit stride last.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        off_k = k * BLOCK_K
+        if A_TRANSPOSED:
+            a = a_desc.load([off_k, off_m]).T
+        else:
+            a = a_desc.load([off_m, off_k])
+        if B_TRANSPOSED:
+            b = b_desc.load([off_n, off_k]).T
+        else:
+            b = b_desc.load([off_k, off_n])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+# --------------------------------------------------------------------------------------------- configs
+def _cfg(bm, bn, bk, stages, warps, group=8, pre_hook=None):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps, pre_hook=pre_hook)
+
+
+# (M, N, K tile, stages, warps). Large tiles for compute-bound shapes; 16/32-row tiles with long K steps for
+# decode-sized M, where the kernel streams B and the only goal is enough programs in flight to saturate HBM.
+_LARGE = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),
+          (128, 64, 64, 4, 4), (64, 64, 64, 5, 4)]
+_SMALL_M = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+            (16, 32, 256, 4, 2), (64, 64, 64, 4, 4)]
+_TMA = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4)]
+# One small fixed config for the interpreter (every program costs ~2 ms there).
+INTERPRETER_CONFIG = (32, 32, 32, 1, 4)
+
+
+def _pointer_configs():
+    return [_cfg(*c) for c in _LARGE + _SMALL_M]
+
+
+def _set_tma_blocks(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_TRANSPOSED"] else [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_TRANSPOSED"] else [bk, bn]
+    nargs["c_desc"].block_shape = [bm, bn]
+
+
+def _tma_configs():
+    return [_cfg(*c, pre_hook=_set_tma_blocks) for c in _TMA]
+
+
+def _prune_by_m(configs, named_args, **_):
+    """Keep configs whose row tile suits M: small tiles for decode-sized M, large ones otherwise."""
+    m = named_args["M"]
+    if m <= 32:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] <= 32]
+    elif m <= 128:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 or (m > 64 and c.kwargs["BLOCK_N"] <= 128)]
+    else:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] >= 64]
+    if _autotune_enabled():
+        return keep[:4] or configs[:1]
+    return (keep or configs)[:1]
+
+
+def _autotune_enabled() -> bool:
+    """KERNEL_LAB_GEMM_AUTOTUNE=0 picks the first pruned config without timing (fast start-up)."""
+    return os.environ.get("KERNEL_LAB_GEMM_AUTOTUNE", "1") != "0"
+
+
+def _bench_config(fn, quantiles=None):
+    # Short timing per candidate: config choice needs ranking, not precision.
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_KEYS = ["M_BUCKET", "N", "K", "LAYOUT"]
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(kind: str):
+    """Autotuned wrappers, built on first CUDA use (the interpreter path launches the raw kernels)."""
+    common = dict(key=_KEYS, prune_configs_by={"early_config_prune": _prune_by_m}, do_bench=_bench_config)
+    if kind == "tiled":
+        return triton.autotune(configs=_pointer_configs(), **common)(_matmul_kernel)
+    if kind == "persistent":
+        return triton.autotune(configs=_pointer_configs(), **common)(_matmul_persistent_kernel)
+    if kind == "tma":
+        return triton.autotune(configs=_tma_configs(), **common)(_matmul_tma_kernel)
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), 8192)
+
+
+def _layout_key(a, b) -> int:
+    return (2 if a.stride(1) == 1 else 0) + (1 if b.stride(1) == 1 else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tma_view(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(2-D view with unit last stride, transposed?) satisfying TMA's rules, or None."""
+    elem = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    for view, transposed in ((t, False), (t.t(), True)):
+        if view.stride(1) == 1 and (view.stride(0) * elem) % 16 == 0 and view.stride(0) >= view.shape[1]:
+            return view, transposed
+    return None
+
+
+def tma_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """True when the sm_90 TMA path can take these operands as they are."""
+    if TensorDescriptor is None or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    c_ok = _tma_view(out)
+    return (_tma_view(a) is not None and _tma_view(b) is not None and c_ok is not None and not c_ok[1])
+
+
+def _launch_pointer(kind, a, b, c, upcast):
+    M, K = a.shape
+    N = b.shape[1]
+    args = (a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            _m_bucket(M), _layout_key(a, b))
+    if not a.is_cuda:  # interpreter: one fixed small config, no autotuning
+        bm, bn, bk, stages, warps = INTERPRETER_CONFIG
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, UPCAST=upcast, num_warps=warps,
+                    num_stages=stages)
+        if kind == "persistent":
+            programs = min(tiles, 3)  # fewer programs than tiles, so the stride loop is exercised
+            _matmul_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **meta)
+        else:
+            _matmul_kernel[(tiles,)](*args, **meta)
+        return
+    if kind == "persistent":
+        sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+
+        def grid(meta):
+            return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+        # The tile stride is the SM count; when there are fewer tiles than SMs the grid shrinks to the tile
+        # count and every program takes exactly one tile, so the stride never skips work.
+        _autotuned("persistent")[grid](*args, NUM_PROGRAMS=sms, UPCAST=upcast)
+        return
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _autotuned("tiled")[grid](*args, UPCAST=upcast)
+
+
+def _launch_tma(a, b, c, upcast):
+    M, K = a.shape
+    N = b.shape[1]
+    a_view, a_t = _tma_view(a)
+    b_view, b_t = _tma_view(b)
+    c_view, _ = _tma_view(c)
+    placeholder = [16, 16]  # the autotuner's pre_hook sets the real block shapes
+    if a.is_cuda:
+        descs = [TensorDescriptor.from_tensor(v, placeholder) for v in (a_view, b_view, c_view)]
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _autotuned("tma")[grid](*descs, M, N, K, _m_bucket(M), _layout_key(a, b),
+                                A_TRANSPOSED=a_t, B_TRANSPOSED=b_t, UPCAST=upcast)
+        return
+    bm, bn, bk, stages, warps = INTERPRETER_CONFIG
+    a_desc = TensorDescriptor.from_tensor(a_view, [bk, bm] if a_t else [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(b_view, [bn, bk] if b_t else [bk, bn])
+    c_desc = TensorDescriptor.from_tensor(c_view, [bm, bn])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    _matmul_tma_kernel[(tiles,)](a_desc, b_desc, c_desc, M, N, K, _m_bucket(M), _layout_key(a, b),
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, A_TRANSPOSED=a_t,
+                                 B_TRANSPOSED=b_t, UPCAST=upcast, num_warps=warps, num_stages=stages)
+
+
+def choose_variant(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> str:
+    """The Triton kernel `variant="auto"` runs: TMA + wgmma on sm_90 when the operands allow it and M
+    fills a warpgroup tile, otherwise the autotuned tiled kernel."""
+    if a.is_cuda and a.shape[0] > 64 and tma_supported(a, b, out):
+        return "tma"
+    return "tiled"
+
+
+def _validate(a, b, out, backend, variant):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_tensor("a", a, dtypes=HALF_DTYPES, ndim=2)
+    check_tensor("b", b, dtypes=HALF_DTYPES, ndim=2)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have a's dtype {str(a.dtype).replace('torch.', '')}, got "
+                        f"{str(b.dtype).replace('torch.', '')}")
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b must have shape ({a.shape[1]}, N) to match a's K = {a.shape[1]}, "
+                         f"got {tuple(b.shape)}")
+    check_same_device(a=a, b=b, out=out)
+    if out is not None:
+        check_tensor("out", out, dtypes=(a.dtype,), ndim=2)
+        if tuple(out.shape) != (a.shape[0], b.shape[1]):
+            raise ValueError(f"out must have shape {(a.shape[0], b.shape[1])}, got {tuple(out.shape)}")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, backend: str = "triton", *,
+           variant: str = "auto") -> torch.Tensor:
+    """C = A @ B for fp16/bf16 A [M, K] and B [K, N] of any strides, accumulated in fp32, returned in the
+    input dtype (in `out` when given).
+
+    backend: "triton" or "cute" (CuTe DSL, CUDA only; CPU tensors take the reference path).
+    variant (Triton only): "auto", "tiled", "persistent" or "tma" (sm_90+ and TMA-compatible operands).
+    Follows the dispatch rule in common.py: CUDA runs the kernel, CPU the reference unless TRITON_INTERPRET=1.
+    """
+    _validate(a, b, out, backend, variant)
+    M, K = a.shape
+    N = b.shape[1]
+    result = out if out is not None else torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return result
+    if K == 0:
+        return result.zero_()
+    if backend == "cute":
+        if not a.is_cuda:  # the DSL has no CPU execution; keep the contract with the reference
+            return result.copy_(matmul_reference(a, b))
+        from .gemm_cute import matmul_cute
+
+        return matmul_cute(a, b, result)
+    if not use_triton(a):
+        return result.copy_(matmul_reference(a, b))
+    upcast = interpreter_active() and a.dtype == torch.bfloat16
+    if variant == "auto":
+        variant = choose_variant(a, b, result)
+    if variant == "tma":
+        if TensorDescriptor is None or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9):
+            raise ValueError("variant='tma' needs triton's TensorDescriptor and an sm_90+ GPU")
+        c_view = _tma_view(result)
+        if _tma_view(a) is None or _tma_view(b) is None or c_view is None or c_view[1]:
+            raise ValueError("variant='tma' needs 16-byte-aligned operands with one unit stride each and a "
+                             "row-major out")
+        _launch_tma(a, b, result, upcast)
+    else:
+        _launch_pointer(variant, a, b, result, upcast)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- AOT specs
+def compile_specs():
+    """Specialisations compiled for sm_80/89/90 by the compile tests: one per kernel and layout family (each
+    compile takes seconds, so the list covers kernels x layouts rather than every autotune config)."""
+    from kernel_lab.harness.compile import CompileSpec
+
+    ints = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
+            "M_BUCKET", "LAYOUT")
+    aligned = ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+               "stride_cm")
+    # Unit strides are constexprs, as the JIT specialises them at run time. "nn": B row-major [K, N];
+    # "nt": B = W^T for a contiguous nn.Linear weight W [N, K].
+    unit_strides = {"nn": ("stride_ak", "stride_bn", "stride_cn"),
+                    "nt": ("stride_ak", "stride_bk", "stride_cn")}
+
+    def pointer_spec(kernel, name, dtype, layout, config, **extra):
+        bm, bn, bk, stages, warps = config
+        unit = unit_strides[layout]
+        sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
+               **{k: "i32" for k in ints if k not in unit}}
+        return CompileSpec(
+            name=f"{name}_{dtype}_{layout}_{bm}x{bn}x{bk}", kernel=kernel, signature=sig,
+            constexprs={**{k: 1 for k in unit}, **extra, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                        "GROUP_M": 8, "UPCAST": False},
+            num_warps=warps, num_stages=stages, aligned=tuple(x for x in aligned if x not in unit))
+
+    specs = [
+        pointer_spec(_matmul_kernel, "matmul_tiled", "fp16", "nn", _LARGE[1]),
+        pointer_spec(_matmul_kernel, "matmul_tiled", "bf16", "nt", _SMALL_M[0]),
+        pointer_spec(_matmul_persistent_kernel, "matmul_persistent", "bf16", "nt", _LARGE[3],
+                     NUM_PROGRAMS=132),
+    ]
+    if TensorDescriptor is not None:
+        for dtype, b_t, (bm, bn, bk, stages, warps) in (("bf16", True, _TMA[0]), ("fp16", False, _TMA[2])):
+            b_block = (bn, bk) if b_t else (bk, bn)
+            sig = {"a_desc": f"tensordesc<{dtype}[{bm},{bk}]>",
+                   "b_desc": f"tensordesc<{dtype}[{b_block[0]},{b_block[1]}]>",
+                   "c_desc": f"tensordesc<{dtype}[{bm},{bn}]>", "M": "i32", "N": "i32", "K": "i32",
+                   "M_BUCKET": "i32", "LAYOUT": "i32"}
+            specs.append(CompileSpec(
+                name=f"matmul_tma_{dtype}_{'nt' if b_t else 'nn'}_{bm}x{bn}x{bk}", kernel=_matmul_tma_kernel,
+                signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                                           "A_TRANSPOSED": False, "B_TRANSPOSED": b_t, "UPCAST": False},
+                num_warps=warps, num_stages=stages, min_capability=90))
+    return specs
