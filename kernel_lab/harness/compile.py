@@ -87,7 +87,8 @@ def ptxas_report(ptx: str, capability: int) -> dict:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         out = subprocess.run(
-            [triton_ptxas(capability), "-v", f"--gpu-name={arch_name(capability)}", str(src), "-o", str(Path(tmp) / "k.o")],
+            [triton_ptxas(capability), "-v", f"--gpu-name={arch_name(capability)}", str(src),
+             "-o", str(Path(tmp) / "k.o")],
             capture_output=True, text=True, timeout=120,
         )
         if out.returncode != 0:

@@ -238,7 +238,8 @@ def render(results_dir: Path) -> str:
                 out.append("")
                 out.append(f"Headline: {r['headline']['text']}")
             if r.get("correctness"):
-                out.append(f"Correctness on this device: {r['correctness']['passed']}/{r['correctness']['total']} passed")
+                passed, total = r["correctness"]["passed"], r["correctness"]["total"]
+                out.append(f"Correctness on this device: {passed}/{total} passed")
             out.append("")
             base_names = sorted({b for c in r["cases"] for b in c.get("baselines", {})})
             out.append("| case | dtype | median | p20 | p80 | metric | % ceil | " +

@@ -133,7 +133,8 @@ def _validate(x, weight, eps, residual=None):
     if x.shape[-1] < 1:
         raise ValueError(f"x's last dimension (hidden size) must be >= 1, got shape {tuple(x.shape)}")
     if weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}")
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if residual is not None:
@@ -157,7 +158,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torc
     if out is not None:
         check_tensor("out", out, dtypes=(x.dtype,))
         if out.shape != x.shape or out.device != x.device:
-            raise ValueError(f"out must be a {tuple(x.shape)} tensor on {x.device}, got {tuple(out.shape)} on {out.device}")
+            raise ValueError(
+                f"out must be a {tuple(x.shape)} tensor on {x.device}, got {tuple(out.shape)} on {out.device}")
         check_last_dim_contiguous("out", out)
     if not use_triton(x):
         y = rms_norm_reference(x, weight, eps)
@@ -206,7 +208,7 @@ def compile_specs():
             signature=sig, constexprs={"BLOCK": block, "HAS_RESIDUAL": residual}, num_warps=warps, aligned=aligned,
         ))
     for residual in (False, True):
-        sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", **base}
+        sig = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")} | base
         specs.append(CompileSpec(
             name="rms_norm_looped_bf16" + ("_residual" if residual else ""), kernel=_rms_norm_looped_kernel,
             signature=sig, constexprs={"CHUNK": LOOP_CHUNK, "HAS_RESIDUAL": residual}, num_warps=8, aligned=aligned,
