@@ -134,7 +134,7 @@ def _raise_exception(message):
 
 def _compile_chat_template(source: str):
     """Compile a chat template the way transformers does (sandboxed, trim_blocks + lstrip_blocks)."""
-    import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

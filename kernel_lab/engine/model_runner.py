@@ -1,0 +1,281 @@
+"""Runs one scheduled step on the device: builds the flat batch (token ids, positions, slot_mapping, block
+tables), runs the model, and samples.
+
+KV cache: the paged layout of projects 04/05. One allocation per K and V,
+`[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, and each layer gets a view; with
+kv_cache_dtype="fp8" the pages are float8_e4m3fn with one float32 scale per page and KV head. Blocks handed
+out empty by the block manager get their fp8 scales reset to 0 ("no data yet") before anything is
+written to them, as the write policy of `write_kv` requires.
+
+On CUDA, decode-only steps (the steady state) replay CUDA graphs captured for bucketed batch sizes:
+the inputs are copied into static buffers, padded to the bucket with rows that write nothing (slot -1)
+and attend to nothing (length 0). Inputs travel through pinned staging buffers with asynchronous copies,
+so the only host synchronisation in a step is reading the sampled tokens. Prefill and mixed steps run
+eagerly. On CPU the same code runs through kernel_lab.ops' reference path.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
+from kernel_lab.models.llama import ModelConfig
+
+from .sequence import Sequence
+
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass
+class SampleResult:
+    seq: Sequence
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
+    rank: int | None = None                                # the sampled token's rank (1 = most likely)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    data = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    scales = 2 * config.num_layers * config.num_kv_heads * 4 if cache_dtype == FP8_KV_DTYPE else 0
+    return data + scales
+
+
+class ModelRunner:
+    def __init__(self, model, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+                 kv_cache_dtype: torch.dtype, block_size: int, num_blocks: int, max_model_len: int,
+                 max_num_seqs: int, use_cuda_graphs: bool, pad_decode_batches: bool = False, seed: int = 0):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.rng = random.Random(seed)
+        self._staging: dict[str, torch.Tensor] = {}
+        self._copies_done = None
+        self._allocate_kv_cache(kv_cache_dtype)
+
+        self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        self.graphs: dict[int, tuple] = {}
+        self.static_decode = use_cuda_graphs or pad_decode_batches
+        if self.static_decode:
+            self._allocate_static_buffers()
+        if use_cuda_graphs:
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------------------------------- memory
+    def _allocate_kv_cache(self, cache_dtype: torch.dtype) -> None:
+        c = self.config
+        shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # Uninitialised on purpose (a large cache would take seconds to zero on CPU): a slot is only read
+        # after it was written, and the attention ops zero out positions past each sequence's length.
+        self.k_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
+        self.kv_scales = None
+        if cache_dtype == FP8_KV_DTYPE:
+            self.kv_scales = torch.zeros((c.num_layers, 2, self.num_blocks, c.num_kv_heads), dtype=torch.float32,
+                                         device=self.device)
+        self.layer_caches = [
+            LayerKVCache(self.k_cache[i], self.v_cache[i],
+                         None if self.kv_scales is None else self.kv_scales[i, 0],
+                         None if self.kv_scales is None else self.kv_scales[i, 1])
+            for i in range(c.num_layers)
+        ]
+
+    def reset_fresh_blocks(self, block_ids: list[int]) -> None:
+        if self.kv_scales is not None and block_ids:
+            self.kv_scales.index_fill_(2, self._to_device("fresh", block_ids, torch.int64), 0.0)
+
+    def _to_device(self, name: str, values, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor. On CUDA it goes through a persistent pinned buffer with an
+        asynchronous copy; the buffer is reused next step, after the step's token read has synchronised."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        host = torch.tensor(values, dtype=dtype)
+        buf = self._staging.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < host.numel():
+            buf = torch.empty(max(host.numel(), 256) * 2, dtype=dtype).pin_memory()
+            self._staging[name] = buf
+        staged = buf[:host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------- inputs
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prepare(self, items: list[tuple[Sequence, int]]):
+        decodes = [(s, n) for s, n in items if n == 1]
+        prefills = [(s, n) for s, n in items if n > 1]
+        input_ids, positions, slots, sample_rows, sample_seqs = [], [], [], [], []
+        prefix_slots, chunk_specs = [], []
+        for seq, n in decodes + prefills:
+            start = seq.num_computed_tokens
+            row0 = len(input_ids)
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += self._slots(seq, start, start + n)
+            if n > 1:
+                chunk_specs.append((row0, row0 + n, start, len(prefix_slots)))
+                prefix_slots += self._slots(seq, 0, start)
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        return decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs
+
+    def _decode_tables(self, decodes, width: int | None = None):
+        width = width or max(len(s.block_table) for s, _ in decodes)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
+        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        return tables, lens
+
+    # ------------------------------------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[Sequence, int]], fresh_blocks: list[int]) -> list[SampleResult]:
+        """Run the model over the scheduled tokens; sample for the sequences whose tokens are all computed."""
+        if self._copies_done is not None:
+            # Staging buffers are about to be refilled: their previous copies must have left. Free when the
+            # previous step read its sampled tokens (which synchronised); only prefill-only steps wait here.
+            self._copies_done.synchronize()
+        self.reset_fresh_blocks(fresh_blocks)
+        decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs = \
+            self._prepare(items)
+        if self.static_decode and not chunk_specs and len(decodes) <= self.max_num_seqs:
+            logits = self._run_static_decode(decodes, input_ids, positions, slots)
+        else:
+            logits = self._run_eager(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows)
+        results = self._sample(logits, sample_seqs)
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return results
+
+    def _run_eager(self, decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows):
+        meta = AttentionMetadata(slot_mapping=self._to_device("slots", slots, torch.int64),
+                                 num_decode_tokens=len(decodes))
+        if decodes:
+            tables, lens = self._decode_tables(decodes)
+            meta.decode_block_tables = self._to_device("tables", tables, torch.int32)
+            meta.decode_seq_lens = self._to_device("lens", lens, torch.int32)
+        if chunk_specs:
+            all_prefix = self._to_device("prefix", prefix_slots, torch.int64) if prefix_slots else None
+            for start, end, num_cached, offset in chunk_specs:
+                prefix = all_prefix[offset:offset + num_cached] if num_cached else None
+                meta.prefills.append(PrefillChunk(start, end, num_cached, prefix))
+        hidden = self.model(self._to_device("ids", input_ids, torch.int64),
+                            self._to_device("positions", positions, torch.int64), self.layer_caches, meta)
+        return self.model.compute_logits(hidden[self._to_device("rows", sample_rows, torch.int64)])
+
+    # ------------------------------------------------------------------------------------------- static decode
+    def _allocate_static_buffers(self) -> None:
+        b, dev = self.max_num_seqs, self.device
+        self.static_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.static_positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.static_slots = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.static_tables = torch.zeros((b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.static_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+
+    def _static_meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.static_slots[:size], num_decode_tokens=size,
+                                 decode_block_tables=self.static_tables[:size], decode_seq_lens=self.static_lens[:size])
+
+    def _static_forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.static_ids[:size], self.static_positions[:size], self.layer_caches,
+                            self._static_meta(size))
+        return self.model.compute_logits(hidden)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.graph_sizes if b >= n)
+
+    def _run_static_decode(self, decodes, input_ids, positions, slots) -> torch.Tensor:
+        n = len(decodes)
+        size = self._bucket(n)
+        pad = size - n
+        tables, lens = self._decode_tables(decodes, self.max_blocks_per_seq)
+        # Padding rows write nothing (slot -1) and attend to nothing (length 0).
+        self.static_ids[:size].copy_(self._to_device("ids", input_ids + [0] * pad, torch.int64), non_blocking=True)
+        self.static_positions[:size].copy_(self._to_device("positions", positions + [0] * pad, torch.int64),
+                                           non_blocking=True)
+        self.static_slots[:size].copy_(self._to_device("slots", slots + [-1] * pad, torch.int64), non_blocking=True)
+        self.static_lens[:size].copy_(self._to_device("lens", lens + [0] * pad, torch.int32), non_blocking=True)
+        self.static_tables[:n].copy_(self._to_device("tables", tables, torch.int32), non_blocking=True)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+        else:
+            logits = self._static_forward(size)
+        return logits[:n]
+
+    def _capture_graphs(self) -> None:
+        pool = None
+        for size in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its memory pool
+            self._static_forward(size)            # warm-up: Triton compiles and autotunes outside capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._static_forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------------------------------- sampling
+    def _step_seed(self, seq: Sequence) -> int:
+        """Seeded requests: a seed from (request seed, completion index, position), so the same request
+        gives the same tokens whatever it is batched with. Others: the engine's random stream."""
+        seed = seq.params.seed
+        if seed is None:
+            return self.rng.getrandbits(63)
+        return hash((seed, seq.index, seq.num_output_tokens)) & ((1 << 63) - 1)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        if not seqs:
+            return []
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            from kernel_lab import ops
+
+            if not hasattr(ops, "sample"):
+                raise NotImplementedError("sampling with temperature > 0 needs kernel_lab.ops.sample (project 06)")
+            tokens = ops.sample(
+                logits,
+                self._to_device("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
+                top_k=self._to_device("top_k", [max(p.top_k, 0) for p in params], torch.int32),
+                top_p=self._to_device("top_p", [p.top_p for p in params], torch.float32),
+                seed=self._to_device("seed", [self._step_seed(s) for s in seqs], torch.int64),
+            )
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
+        return self._with_logprobs(logits, tokens, seqs, want)
+
+    def _with_logprobs(self, logits, tokens, seqs, want) -> list[SampleResult]:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])                                    # [S, 1]
+        ranks = (logprobs > chosen).sum(dim=1) + 1
+        k = max(w or 0 for w in want)
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        # One host read for everything.
+        tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist()
+        top_vals_l = top_vals.tolist() if k else None
+        top_ids_l = top_ids.tolist() if k else None
+        results = []
+        for i, seq in enumerate(seqs):
+            r = SampleResult(seq, tokens_l[i])
+            if want[i] is not None:
+                r.logprob, r.rank = chosen_l[i], ranks_l[i]
+                r.top_logprobs = list(zip(top_ids_l[i][:want[i]], top_vals_l[i][:want[i]], strict=True)) if k else []
+            results.append(r)
+        return results

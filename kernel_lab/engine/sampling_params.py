@@ -1,0 +1,76 @@
+"""SamplingParams: how to pick each next token and when to stop, with vLLM's meanings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """- n: completions per prompt.
+    - temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    - top_p: nucleus sampling, in (0, 1]; 1 is off. top_k: keep the k most likely tokens; 0 or -1 is off.
+    - seed: per-request seed; the same seed and prompt give the same tokens whatever else is batched with it.
+    - max_tokens: tokens to generate at most (None: until max_model_len).
+    - stop: strings that end the completion (not included in the text unless include_stop_str_in_output).
+    - stop_token_ids: token ids that end it (kept in token_ids, as vLLM does).
+    - ignore_eos: keep going past the model's EOS tokens.
+    - logprobs: return the log-probabilities of this many most likely tokens (and of the sampled one) at
+      every step; the values come from the model's raw logits (before temperature, top-k and top-p)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        self.temperature = float(self.temperature)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.top_p = float(self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = stop
+        ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
