@@ -4,6 +4,7 @@ interpreter when TRITON_INTERPRET=1."""
 
 from .gemm import matmul
 from .kv_cache import allocate_kv_cache, write_kv
+from .moe import moe
 from .paged_attention import paged_decode_attention
 from .rmsnorm import fused_add_rms_norm, rms_norm
 from .swiglu import silu_and_mul
@@ -12,4 +13,5 @@ __all__ = [
     "rms_norm", "fused_add_rms_norm", "paged_decode_attention", "write_kv", "allocate_kv_cache",
     "silu_and_mul",
     "matmul",
+    "moe",
 ]

@@ -1,0 +1,164 @@
+"""Project 07 benchmark: the Triton MoE layer vs a per-expert PyTorch loop and a dense padded bmm.
+
+    python projects/07_moe/benchmark.py [--quick] [--out results]
+
+Two regimes, two metrics:
+- decode (tokens <= 16): the layer streams the weights of the experts the tokens chose, so the metric
+  is expert-weight bandwidth: bytes = used_experts * 3 * H * I * b (+ activations), as GB/s and % of
+  the measured copy bandwidth;
+- prefill (tokens > 16): FLOPs = 6 * tokens * top_k * H * I, as TFLOP/s and % of the measured bf16
+  cuBLAS ceiling.
+Baselines measured in the same run: a per-expert loop in PyTorch (gather, two F.linear, index_add, in
+the activation dtype: what a straightforward implementation does), a dense bmm over all E experts with
+every segment padded to the largest one, and this layer with SwiGLU applied by project 02's kernel
+between the GEMMs instead of in the first GEMM's epilogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernel_lab.harness.bench import benchmark  # noqa: E402
+from kernel_lab.harness.results import ResultRecord  # noqa: E402
+from kernel_lab.harness.testing import assert_close  # noqa: E402
+from kernel_lab.ops import moe  # noqa: E402
+from kernel_lab.ops.moe import route  # noqa: E402
+
+PROJECT = "07_moe"
+SHAPES = {  # name: (E, H, I, top_k)
+    "mixtral": (8, 4096, 14336, 2),
+    "small": (64, 2048, 768, 2),
+}
+DECODE_MAX_TOKENS = 16
+
+
+def per_expert_loop(x, w_gate_up, w_down, logits, top_k):
+    weights, ids = route(logits, top_k, True)
+    I = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)  # host sync per expert
+        if token.numel() == 0:
+            continue
+        h = F.linear(x[token], w_gate_up[e])
+        y = F.linear(F.silu(h[:, :I]) * h[:, I:], w_down[e])
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def dense_padded_bmm(x, w_gate_up, w_down, logits, top_k):
+    """Every expert's segment padded to the largest segment, one bmm over all E experts."""
+    weights, ids = route(logits, top_k, True)
+    E, I = w_gate_up.shape[0], w_down.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    capacity = int(counts.max())  # host sync: the padded size
+    expert = flat[order]
+    pos = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    token_index = torch.zeros((E, capacity), dtype=torch.long, device=x.device)
+    slot_weight = torch.zeros((E, capacity), dtype=torch.float32, device=x.device)
+    token_index[expert, pos] = order // top_k
+    slot_weight[expert, pos] = weights.reshape(-1)[order]
+    h = torch.bmm(x[token_index], w_gate_up.transpose(1, 2))
+    y = torch.bmm(F.silu(h[..., :I]) * h[..., I:], w_down.transpose(1, 2))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_index.reshape(-1), (y.float() * slot_weight[..., None]).reshape(-1, x.shape[1]))
+    return out.to(x.dtype)
+
+
+def sweep(device: torch.device, quick: bool):
+    if device.type != "cuda":
+        return {"tiny": (8, 64, 32, 2)}, [1, 32]
+    tokens = [1, 16, 2048] if quick else [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192]
+    return SHAPES, tokens
+
+
+def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16) -> list[ResultRecord]:
+    shapes, token_counts = sweep(device, quick)
+    b = torch.finfo(dtype).bits // 8
+    decode = ResultRecord(PROJECT, "moe decode expert-weight bandwidth", device,
+                          "tokens <= 16, bf16, top-2; GB/s = weights of the experts actually used "
+                          "(3 * H * I * b each) + activations, over the median time")
+    prefill = ResultRecord(PROJECT, "moe prefill throughput", device,
+                           "tokens > 16, bf16, top-2; TFLOP/s = 6 * tokens * top_k * H * I over the median time")
+    checked = passed = 0
+    g = torch.Generator(device=device)
+    g.manual_seed(0)
+    for shape_name, (E, H, I, top_k) in shapes.items():
+        w_gate_up = torch.randn((E, 2 * I, H), device=device, dtype=dtype, generator=g) * H ** -0.5
+        w_down = torch.randn((E, H, I), device=device, dtype=dtype, generator=g) * I ** -0.5
+        for tokens in token_counts:
+            x = torch.randn((tokens, H), device=device, dtype=dtype, generator=g)
+            logits = torch.randn((tokens, E), device=device, dtype=torch.float32, generator=g)
+            big = tokens >= 1024
+            reps = {"warmup": 5, "rep": 20} if big else {}
+
+            def timed(fn, tag, tokens=tokens, reps=reps, shape_name=shape_name):
+                return benchmark(fn, device=device, name=f"{tag} {shape_name} tokens={tokens}", **reps)
+
+            args = (x, w_gate_up, w_down, logits)
+            ours = moe(*args, top_k=top_k)
+            checked += 1
+            try:
+                assert_close(ours, per_expert_loop(*args, top_k), dtype, scale=4.0)
+                passed += 1
+            except AssertionError as exc:
+                print(f"MISMATCH {shape_name} tokens={tokens}: {exc}")
+            t_ours = timed(lambda: moe(*args, top_k=top_k), "kernel_lab.moe")
+            baselines = {
+                "per-expert loop": timed(lambda: per_expert_loop(*args, top_k), "loop"),
+                "dense padded bmm": timed(lambda: dense_padded_bmm(*args, top_k), "dense"),
+                "unfused swiglu": timed(lambda: moe(*args, top_k=top_k, fuse_swiglu=False), "unfused"),
+            }
+            used = int(torch.unique(route(logits, top_k, True)[1]).numel())
+            shape = {"E": E, "H": H, "I": I, "top_k": top_k, "tokens": tokens, "used_experts": used}
+            name = f"{shape_name} tokens={tokens}"
+            if tokens <= DECODE_MAX_TOKENS:
+                nbytes = used * 3 * H * I * b + 2 * tokens * H * b
+                decode.add_case(name, shape=shape, dtype="bf16", timing=t_ours, nbytes=nbytes, baselines=baselines)
+            else:
+                prefill.add_case(name, shape=shape, dtype="bf16", timing=t_ours, flops=6.0 * tokens * top_k * H * I,
+                                 baselines=baselines)
+        del w_gate_up, w_down
+    records = []
+    for rec, what in ((decode, "expert-weight bandwidth"), (prefill, "throughput")):
+        if not rec.record["cases"]:
+            continue
+        rec.set_correctness(passed, checked)
+        cases = rec.record["cases"]
+        worst = min(cases, key=lambda c: c["percent_of_ceiling"])
+        rec.set_headline(f"moe {what}: worst case {worst['name']} at {worst['percent_of_ceiling']:.1f}% of the "
+                         f"measured {worst['ceiling']} ceiling",
+                         percent_of_ceiling=worst["percent_of_ceiling"],
+                         speedup=min(c["speedup"]["per-expert loop"] for c in cases), baseline="per-expert loop")
+        print(rec.table())
+        print()
+        path = rec.write(out)
+        if path:
+            print(f"wrote {path}")
+        records.append(rec)
+    print(f"correctness vs the per-expert loop: {passed}/{checked}")
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
+    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.no_grad():
+        run(device, args.quick, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
