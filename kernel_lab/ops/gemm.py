@@ -375,8 +375,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ba
     if backend == "cute":
         if not a.is_cuda:  # the DSL has no CPU execution; keep the contract with the reference
             return result.copy_(matmul_reference(a, b))
-        from .gemm_cute import matmul_cute
-
+        try:
+            from .gemm_cute import matmul_cute
+        except ImportError as exc:
+            raise RuntimeError("backend='cute' needs the nvidia-cutlass-dsl package (`import cutlass`): "
+                               f"{exc}") from exc
         return matmul_cute(a, b, result)
     if not use_triton(a):
         return result.copy_(matmul_reference(a, b))
