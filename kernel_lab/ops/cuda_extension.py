@@ -20,7 +20,7 @@ import torch
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Torch-free kernel sources (compiled standalone by nvcc in the compile tests) and the torch binding.
 KERNEL_SOURCES = ("paged_attention.cu", "kv_cache.cu")
-HEADERS = ("paged_attention_kernels.cuh", "kv_cache_kernels.cuh", "kernel_common.cuh")
+HEADERS = ("kernel_common.cuh", "paged_kernels.h")
 BINDING_SOURCE = "bindings.cpp"
 
 
@@ -52,13 +52,29 @@ def load_extension(verbose: bool = False):
         name=name,
         sources=[str(CSRC / BINDING_SOURCE), *(str(p) for p in kernel_sources())],
         extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo",
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-lineinfo",
                            f"-gencode=arch=compute_{arch}{suffix},code=sm_{arch}{suffix}",
                            "-Xptxas=-v" if verbose else "-Xptxas=-O3"],
         build_directory=str(build_dir),
         verbose=verbose,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def compile_kernels(name: str, targets: tuple[int, ...] = (80, 89, 90)) -> dict:
+    """nvcc-compile the torch-free `csrc/<name>.cu` for each target (in parallel, once per process).
+
+    Returns {capability: {"registers", "spill_stores", "spill_loads", "stack_frame", "functions", "log",
+    "sass", "cubin"}} from `kernel_lab.harness.compile.nvcc_compile`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernel_lab.harness.compile import nvcc_compile
+
+    source = CSRC / f"{name}.cu"
+    with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        futures = {cap: pool.submit(nvcc_compile, [source], cap, ["-I", str(CSRC)]) for cap in targets}
+        return {cap: future.result() for cap, future in futures.items()}
 
 
 def num_sms(device: torch.device) -> int:

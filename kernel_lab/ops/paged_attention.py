@@ -42,7 +42,8 @@ import torch
 from .common import FLOAT_DTYPES, HALF_DTYPES, check_out, check_same_device, check_tensor
 from .kv_cache import FP8_DTYPE, check_cache_pair
 
-# Kernel geometry, shared by the CUDA code (csrc/paged_attention_kernels.cuh) and the CPU model.
+# Kernel geometry, shared by the CUDA code (csrc/paged_attention.cu) and the CPU model; a compile test
+# checks the two agree.
 HEADS_PER_GROUP = 8        # query heads of one KV head served by one CTA (one K/V load)
 ELEMS_PER_LANE = 8         # head_dim elements each lane owns: 16-byte loads for fp16/bf16, 8-byte for fp8
 NUM_WARPS = 4
@@ -108,6 +109,13 @@ def plan_splits(batch: int, num_q_heads: int, num_kv_heads: int, max_blocks_per_
     return SplitPlan(head_groups, heads_per_group, partition_blocks, num_splits)
 
 
+def kernel_tile(heads_per_group: int) -> tuple[int, int]:
+    """(head tile, chunk): the kernel instance's compile-time head count (a power of two >= heads_per_group)
+    and how many tokens each lane group loads before it does any math."""
+    tile = 1 << max(0, heads_per_group - 1).bit_length()
+    return tile, (4 if tile <= 2 else 2)
+
+
 # --------------------------------------------------------------------------------------------- CPU model
 def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None,
                  num_sms: int = 132, plan: SplitPlan | None = None) -> torch.Tensor:
@@ -115,16 +123,18 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
 
     Same decomposition as the kernel: CTAs over (sequence, KV head, head group, split); inside a CTA, warp w
     takes the split's blocks w, w + NUM_WARPS, ...; inside a warp, `tokens_per_warp` lane groups each keep
-    their own running (max, sum, accumulator) over the tokens at their offset of each block, updated once
-    per token with the online-softmax rescale. Scales: the logit multiplier is `scale * k_scale[page]`, and
-    each probability is multiplied by `v_scale[page]` before it accumulates V. Lane groups then warps merge
-    by max/rescale, and splits merge through (max, sum) = a log-sum-exp, as in the merge kernel.
+    their own running (max, sum, accumulator) over the block offsets g, g + tokens_per_warp, ..., taken
+    `chunk` tokens at a time with one online-softmax rescale per chunk. Scales: the logit multiplier is
+    `scale * k_scale[page]`, and each probability is multiplied by `v_scale[page]` before it accumulates V.
+    Lane groups then warps merge by max/rescale, and splits merge through (max, sum) = a log-sum-exp, as
+    in the merge kernel. (The kernel works in base 2 with q pre-scaled by log2(e); the same maths.)
     """
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else float(scale)
     plan = plan or plan_splits(batch, num_q_heads, num_kv_heads, block_tables.shape[1], block_size, num_sms)
+    _, chunk = kernel_tile(plan.heads_per_group)
     lanes_per_token = head_dim // ELEMS_PER_LANE
     tokens_per_warp = max(1, 32 // lanes_per_token)
     is_fp8 = k_cache.dtype == FP8_DTYPE
@@ -162,17 +172,20 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
                                 page = int(block_tables[b, blk])
                                 k_mult = scale * (float(k_scale[page, kvh]) if is_fp8 else 1.0)
                                 v_mult = float(v_scale[page, kvh]) if is_fp8 else 1.0
-                                for off in range(lane_group, block_size, tokens_per_warp):
-                                    if blk * block_size + off >= seq_len:
-                                        break
-                                    k = k_cache[page, off, kvh].float()
-                                    v = v_cache[page, off, kvh].float()
-                                    s = (qf @ k) * k_mult
-                                    m_new = torch.maximum(m, s)
+                                block_tokens = min(block_size, seq_len - blk * block_size)
+                                for base in range(0, block_tokens, chunk * tokens_per_warp):
+                                    offsets = [base + c * tokens_per_warp + lane_group for c in range(chunk)]
+                                    offsets = [o for o in offsets if o < block_tokens]
+                                    if not offsets:
+                                        continue
+                                    k = k_cache[page, offsets, kvh].float()                  # [C, D]
+                                    v = v_cache[page, offsets, kvh].float()
+                                    logits = (qf @ k.T) * k_mult                             # [G, C]
+                                    m_new = torch.maximum(m, logits.amax(1))
                                     correction = torch.exp(m - m_new)
-                                    p = torch.exp(s - m_new)
-                                    l = l * correction + p
-                                    acc = acc * correction[:, None] + (p * v_mult)[:, None] * v[None, :]
+                                    p = torch.exp(logits - m_new[:, None])
+                                    l = l * correction + p.sum(1)
+                                    acc = acc * correction[:, None] + (p * v_mult) @ v
                                     m = m_new
                             lane_states.append((m, l, acc))
                     split_states.append(merge(lane_states))
