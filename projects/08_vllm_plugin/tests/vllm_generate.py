@@ -111,6 +111,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     result = {
         "spec": spec,
+        "prompt_lengths": [len(o.prompt_token_ids) for o in outputs],
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "texts": [o.outputs[0].text for o in outputs],
         "act_fns": act_fns,
