@@ -29,7 +29,7 @@ from kernel_lab.harness.bench import benchmark  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import moe  # noqa: E402
-from kernel_lab.ops.moe import route  # noqa: E402
+from kernel_lab.ops.moe import CONFIGS, _launch, choose_config, route  # noqa: E402
 
 PROJECT = "07_moe"
 SHAPES = {  # name: (E, H, I, top_k)
@@ -81,7 +81,19 @@ def sweep(device: torch.device, quick: bool):
     return SHAPES, tokens
 
 
-def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16) -> list[ResultRecord]:
+def tile_sweep(args, top_k, timed) -> str:
+    """Time every tile config on one case (printed only, for retuning choose_config on a new GPU)."""
+    weights, ids = route(args[3], top_k, True)
+    chosen = choose_config(ids.numel(), args[1].shape[0])
+    cells = []
+    for _, config in CONFIGS:
+        t = timed(lambda config=config: _launch(args[0], args[1], args[2], weights, ids, True, config), "tile")
+        cells.append(f"m{config.block_m}{'*' if config == chosen else ''}={t.median_ms * 1e3:.1f}us")
+    return "  ".join(cells)
+
+
+def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16,
+        tiles: bool = False) -> list[ResultRecord]:
     shapes, token_counts = sweep(device, quick)
     b = torch.finfo(dtype).bits // 8
     decode = ResultRecord(PROJECT, "moe decode expert-weight bandwidth", device,
@@ -118,6 +130,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                 "dense padded bmm": timed(lambda: dense_padded_bmm(*args, top_k), "dense"),
                 "unfused swiglu": timed(lambda: moe(*args, top_k=top_k, fuse_swiglu=False), "unfused"),
             }
+            if tiles:
+                print(f"tiles {shape_name} tokens={tokens}: {tile_sweep(args, top_k, timed)}  (* = chosen)")
             used = int(torch.unique(route(logits, top_k, True)[1]).numel())
             shape = {"E": E, "H": H, "I": I, "top_k": top_k, "tokens": tokens, "used_experts": used}
             name = f"{shape_name} tokens={tokens}"
@@ -153,10 +167,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
     parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+    parser.add_argument("--tiles", action="store_true", help="also time every tile config (printed, not recorded)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with torch.no_grad():
-        run(device, args.quick, args.out)
+        run(device, args.quick, args.out, tiles=args.tiles)
     return 0
 
 

@@ -6,7 +6,6 @@ activation dtype before the down projection (that is the tensor-core operand), s
 tolerances are twice the elementwise ones.
 """
 
-import math
 import re
 
 import pytest
@@ -21,11 +20,25 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def make_inputs(tokens, E, H, I, dtype, device, seed):
+    if torch.device(device).type == "cuda" and E * I * H > 2**24:
+        return make_inputs_on_device(tokens, E, H, I, dtype, seed)
     x = randn((tokens, H), dtype, device, seed)
     w_gate_up = randn((E, 2 * I, H), dtype, device, seed + 1, scale=H ** -0.5)
     w_down = randn((E, H, I), dtype, device, seed + 2, scale=I ** -0.5)
     logits = randn((tokens, E), torch.float32, device, seed + 3, scale=2.0)
     return x, w_gate_up, w_down, logits
+
+
+def make_inputs_on_device(tokens, E, H, I, dtype, seed):
+    """Model-sized weights drawn on the GPU (drawing a billion values on the CPU would take a minute)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+
+    def draw(shape, scale, dt=dtype):
+        return (torch.randn(shape, generator=g, device="cuda") * scale).to(dt)
+
+    return (draw((tokens, H), 1.0), draw((E, 2 * I, H), H ** -0.5), draw((E, H, I), I ** -0.5),
+            draw((tokens, E), 2.0, torch.float32))
 
 
 def reference64(x, w_gate_up, w_down, logits, top_k=2, renormalize=True):
@@ -278,15 +291,20 @@ def reference32(x, w_gate_up, w_down, logits, top_k=2):
     return moe_reference(x.float(), w_gate_up.float(), w_down.float(), logits, top_k).double()
 
 
+# Mixtral-sized weights are checked once, in bf16, to keep the GPU suite short
+GPU_SHAPES = [(1, 8, 4096, 14336, torch.bfloat16), (16, 8, 4096, 14336, torch.bfloat16)] + [
+    (*shape, dtype) for dtype in (torch.bfloat16, torch.float16)
+    for shape in [(3, 64, 2048, 768), (333, 64, 2048, 768), (2048, 8, 1024, 2816), (77, 8, 1000, 3000)]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens, E, H, I", [(1, 8, 4096, 14336), (16, 8, 4096, 14336), (3, 64, 2048, 768),
-                                             (333, 64, 2048, 768), (2048, 8, 1024, 2816), (77, 8, 1000, 3000)])
+@pytest.mark.parametrize("tokens, E, H, I, dtype", GPU_SHAPES)
 def test_gpu_model_shapes(tokens, E, H, I, dtype):
     x, wgu, wd, logits = make_inputs(tokens, E, H, I, dtype, "cuda", case_seed("gpu", tokens, E, H, dtype))
     y = moe(x, wgu, wd, logits)
-    # fp32 reference over the same half-precision weights; K-scaled bound for the two GEMMs
-    assert_close(y, reference32(x, wgu, wd, logits), dtype, scale=2.0 * math.sqrt(max(H, I) / 1024))
+    # fp32 reference over the same half-precision weights; accumulation is fp32, so the error is the
+    # rounding of the activations and of the output, independent of K
+    assert_close(y, reference32(x, wgu, wd, logits), dtype, scale=3.0)
 
 
 @pytest.mark.gpu
