@@ -208,7 +208,7 @@ def _prune_by_m(configs, named_args, **_):
     else:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] >= 64]
     if _autotune_enabled():
-        return keep[:4] or configs[:1]
+        return keep[:3] or configs[:1]
     return (keep or configs)[:1]
 
 

@@ -8,6 +8,7 @@ generated instructions. The GPU tests (marked `gpu`) run both backends on large 
 """
 
 import importlib.util
+import os
 import re
 
 import pytest
@@ -20,6 +21,19 @@ from kernel_lab.ops import gemm, matmul
 DTYPES = [torch.float16, torch.bfloat16]
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 NO_CUTLASS = "nvidia-cutlass-dsl (`import cutlass`) is not installed: CuTe DSL backend not tested here"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fixed_configs():
+    """On a GPU, skip autotuning (the first pruned config runs): every new shape would otherwise compile and
+    time several configs. test_gpu_every_config checks each config of the autotune lists explicitly."""
+    previous = os.environ.get("KERNEL_LAB_GEMM_AUTOTUNE")
+    os.environ["KERNEL_LAB_GEMM_AUTOTUNE"] = "0"
+    yield
+    if previous is None:
+        os.environ.pop("KERNEL_LAB_GEMM_AUTOTUNE", None)
+    else:
+        os.environ["KERNEL_LAB_GEMM_AUTOTUNE"] = previous
 
 
 def k_scale(K: int) -> float:
@@ -355,6 +369,42 @@ def test_gpu_triton_variants(variant):
         a, b = make_operands(M, N, K, torch.bfloat16, "cuda", "nt", case_seed("gpu-v", M, N, K))
         y = matmul(a, b, variant=variant)
         assert_close(y, torch.matmul(a.float(), b.float()), torch.bfloat16, scale=k_scale(K), msg=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tiled", "tma"])
+def test_gpu_every_config(kind):
+    """Each config the autotuner may pick, launched directly on one shape that no tile divides."""
+    import triton
+
+    if kind == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA kernel needs sm_90")
+    M, N, K = 300, 264, 328  # 16-byte rows (TMA), no tile size divides M or N, K not a multiple of BLOCK_K
+    a, b = make_operands(M, N, K, torch.bfloat16, "cuda", "nt", case_seed("cfg", kind))
+    ref = torch.matmul(a.float(), b.float())
+    configs = gemm._TMA if kind == "tma" else gemm._LARGE + gemm._SMALL_M
+    failures = []
+    for bm, bn, bk, stages, warps in configs:
+        c = poison(torch.empty((M, N), dtype=torch.bfloat16, device="cuda"))
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, UPCAST=False, num_warps=warps,
+                    num_stages=stages)
+        try:
+            if kind == "tma":
+                descs = (gemm.TensorDescriptor.from_tensor(a, [bm, bk]),
+                         gemm.TensorDescriptor.from_tensor(b.t(), [bn, bk]),
+                         gemm.TensorDescriptor.from_tensor(c, [bm, bn]))
+                gemm._matmul_tma_kernel[grid](*descs, M, N, K, 0, 0, A_TRANSPOSED=False, B_TRANSPOSED=True,
+                                              **meta)
+            else:
+                gemm._matmul_kernel[grid](a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(), 0, 0, **meta)
+        except triton.runtime.errors.OutOfResources:
+            continue  # the autotuner skips such configs on this GPU too
+        try:
+            assert_close(c, ref, torch.bfloat16, scale=k_scale(K))
+        except AssertionError as exc:
+            failures.append(f"{(bm, bn, bk, stages, warps)}: {exc}")
+    assert not failures, failures
 
 
 @pytest.mark.gpu
