@@ -310,9 +310,7 @@ class AsyncEngine:
             if tracked is not None:
                 engine.abort_request(request_id)
                 generated = sum(tracked.tokens_seen.values())
-                self.metrics.on_finished(
-                    "abort", time.monotonic() - tracked.arrival, tracked.prompt_tokens, generated
-                )
+                self.metrics.on_finished("abort", time.monotonic() - tracked.arrival, tracked.prompt_tokens, generated)
 
     def _serve(self, engine) -> None:
         while not self._stop.is_set():

@@ -11,9 +11,7 @@ import uvicorn
 
 
 class BackgroundServer:
-    def __init__(
-        self, app, host: str = "127.0.0.1", log_level: str = "warning", startup_timeout_s: float = 30.0
-    ):
+    def __init__(self, app, host: str = "127.0.0.1", log_level: str = "warning", startup_timeout_s: float = 30.0):
         self.app = app
         self.host = host
         self.log_level = log_level
@@ -34,7 +32,7 @@ class BackgroundServer:
         config = uvicorn.Config(
             self.app,
             log_level=self.log_level,
-            timeout_graceful_shutdown=3,
+            timeout_graceful_shutdown=1,
             backlog=2048,
             limit_concurrency=None,
         )

@@ -125,9 +125,7 @@ def build_workload(
     rng = random.Random(seed)
     special = _special_ids(tokenizer)
     # Plain-text tokens only: skip special ids and the byte-level single-byte range at the bottom.
-    candidates = [
-        i for i in range(min(256, tokenizer.vocab_size // 2), tokenizer.vocab_size) if i not in special
-    ]
+    candidates = [i for i in range(min(256, tokenizer.vocab_size // 2), tokenizer.vocab_size) if i not in special]
     requests = []
     for _ in range(num_prompts):
         n_in = rng.randint(max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio))))
@@ -192,9 +190,7 @@ async def send_request(
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream(
-            "POST", url + endpoint, json=payload, headers=headers, timeout=timeout_s
-        ) as rsp:
+        async with client.stream("POST", url + endpoint, json=payload, headers=headers, timeout=timeout_s) as rsp:
             if rsp.status_code != 200:
                 body = (await rsp.aread()).decode(errors="replace")
                 result.error = f"HTTP {rsp.status_code}: {body[:300]}"
@@ -375,9 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions")
-    )
+    parser.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument(

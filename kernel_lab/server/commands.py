@@ -55,8 +55,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=int,
         default=512,
-        help="bound on requests waiting for their first token; beyond it the server answers "
-        "429 with Retry-After",
+        help="bound on requests waiting for their first token; beyond it the server answers 429 with Retry-After",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -86,9 +85,7 @@ def run_serve(args) -> int:
     from .async_engine import AsyncEngine
     from .openai_api import build_app
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kernel_lab.server")
     if not _is_loopback(args.host):
         log.warning(
@@ -108,13 +105,9 @@ def run_serve(args) -> int:
         return LLMEngine(**kwargs)
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
-    app = build_app(
-        async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model
-    )
+    app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model)
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-        )
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     )
     failed = threading.Event()
 

@@ -234,9 +234,7 @@ class ServerMetrics:
 
         gauge("num_requests_running", "Requests in the engine's running batch.", snap["num_requests_running"])
         gauge("num_requests_waiting", "Requests waiting to be scheduled.", snap["num_requests_waiting"])
-        gauge(
-            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", snap["kv_cache_usage_perc"]
-        )
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", snap["kv_cache_usage_perc"])
         gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", snap["kv_blocks_total"])
         gauge("kv_cache_blocks_free", "KV-cache blocks free.", snap["kv_blocks_free"])
         gauge(
@@ -251,10 +249,7 @@ class ServerMetrics:
             "request_success",
             "counter",
             "Requests finished, by finish reason (abort: client gone).",
-            [
-                ("_total", model | {"finished_reason": r}, v)
-                for r, v in sorted(snap["request_success"].items())
-            ],
+            [("_total", model | {"finished_reason": r}, v) for r, v in sorted(snap["request_success"].items())],
         )
         family(
             "request_rejected",

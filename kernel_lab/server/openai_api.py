@@ -197,9 +197,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def _engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineNotReady):
-        return APIError(
-            503, str(exc), type="server_error", code="model_loading", headers={"Retry-After": "5"}
-        )
+        return APIError(503, str(exc), type="server_error", code="model_loading", headers={"Retry-After": "5"})
     if isinstance(exc, QueueFull):
         return APIError(
             429,
@@ -428,9 +426,7 @@ class OpenAIServer:
     def _submit(self, jobs: list[_Job], request_id: str, params, arrival: float) -> None:
         try:
             for job in jobs:
-                job.stream = self.engine.submit(
-                    f"{request_id}-{job.prompt_index}", job.prompt_ids, params, arrival
-                )
+                job.stream = self.engine.submit(f"{request_id}-{job.prompt_index}", job.prompt_ids, params, arrival)
         except Exception as exc:
             for job in jobs:
                 if job.stream is not None:
@@ -550,9 +546,7 @@ class OpenAIServer:
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of must equal n (this server does not rank candidates)", "best_of")
         if body.echo and body.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs needs prompt logprobs, which this server does not compute", "echo"
-            )
+            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -658,9 +652,7 @@ class OpenAIServer:
                     continue
                 logprobs = None
                 if body.logprobs is not None and end > start:
-                    logprobs = self._completion_logprobs(
-                        seq, start, end, cursor.sent_chars - len(delta), body.logprobs
-                    )
+                    logprobs = self._completion_logprobs(seq, start, end, cursor.sent_chars - len(delta), body.logprobs)
                 cursor.sent_tokens, cursor.finished = end, final
                 choices.append(
                     {
@@ -689,9 +681,7 @@ class OpenAIServer:
         try:
             ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         except Exception as exc:  # noqa: BLE001 - a template refusal is the client's error
-            raise bad_request(
-                f"messages could not be rendered by the chat template: {exc}", "messages"
-            ) from exc
+            raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages") from exc
         if not ids:
             raise bad_request("messages render to an empty prompt", "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -873,9 +863,7 @@ def build_app(
 ) -> FastAPI:
     """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
     model while the server already answers /health with 503) and stops it on shutdown."""
-    server = OpenAIServer(
-        async_engine, served_model_name=served_model_name, api_key=api_key, model_path=model_path
-    )
+    server = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key, model_path=model_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

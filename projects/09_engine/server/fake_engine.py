@@ -29,8 +29,7 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [
-            ord(c) - FIRST_CHAR + 3 if FIRST_CHAR <= ord(c) <= LAST_CHAR else ord("?") - FIRST_CHAR + 3
-            for c in text
+            ord(c) - FIRST_CHAR + 3 if FIRST_CHAR <= ord(c) <= LAST_CHAR else ord("?") - FIRST_CHAR + 3 for c in text
         ]
         return ([BOS] if add_special_tokens else []) + ids
 
@@ -155,10 +154,13 @@ class FakeEngine:
         step_delay_s: float = 0.0,
         eos_after: int | None = None,
         load_delay_s: float = 0.0,
+        fail_load: str | None = None,
         **_ignored,
     ):
         if load_delay_s:
             time.sleep(load_delay_s)
+        if fail_load:
+            raise RuntimeError(fail_load)
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
@@ -283,10 +285,7 @@ class FakeEngine:
                 seq.text = seq.text[:at]
                 seq.finish_reason, seq.stop_reason = "stop", s
                 return
-        if (
-            len(seq.token_ids) >= p.max_tokens
-            or len(req.prompt_ids) + len(seq.token_ids) >= self.max_model_len
-        ):
+        if len(seq.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     def _output(self, req: _Request) -> RequestOutput:

@@ -1,0 +1,229 @@
+"""The official `openai` client against a live server around the real default model (SmolLM2-135M-Instruct,
+fp32, CPU reference path), on 127.0.0.1: completions, chat, streaming == non-streaming for greedy, n > 1,
+stop strings, seeds, usage, logprobs, errors; and `kernel-lab serve` as a user starts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are", "Once upon a time"]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a planet."}],
+]
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    return live_server.client(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(live_server):
+    return live_server.client().models.list().data[0].id
+
+
+def collect_stream(stream, chat: bool) -> tuple[dict[int, str], dict[int, str], object]:
+    texts, reasons, usage = {}, {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            piece = (ch.delta.content or "") if chat else ch.text
+            texts[ch.index] = texts.get(ch.index, "") + piece
+            if ch.finish_reason:
+                assert ch.index not in reasons
+                reasons[ch.index] = ch.finish_reason
+    return texts, reasons, usage
+
+
+def test_models_lists_the_default_model(live_server, model):
+    assert model == "SmolLM2-135M-Instruct"
+    data = httpx.get(live_server.url + "/v1/models", headers={"Authorization": f"Bearer {live_server.api_key}"})
+    assert data.json()["data"][0]["max_model_len"] == live_server.engine.max_model_len
+
+
+def test_completions_greedy_usage_and_determinism(live_server, client, model):
+    tok = live_server.engine.tokenizer
+    for prompt in PROMPTS[:2]:
+        a = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        b = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert a.choices[0].text == b.choices[0].text and a.choices[0].text.strip()
+        assert a.usage.prompt_tokens == len(tok.encode(prompt))
+        assert a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
+        if a.choices[0].finish_reason == "length":
+            assert a.usage.completion_tokens == 12
+        else:
+            assert a.choices[0].finish_reason == "stop" and a.usage.completion_tokens <= 12
+
+
+def test_capital_of_france_is_paris(client, model):
+    out = client.chat.completions.create(
+        model=model,
+        temperature=0,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in out.choices[0].message.content
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streaming_equals_non_streaming_for_greedy(client, model, chat):
+    inputs = CHATS if chat else PROMPTS
+    for item in inputs:
+        kwargs = dict(model=model, max_tokens=20, temperature=0)
+        if chat:
+            full = client.chat.completions.create(messages=item, **kwargs)
+            stream = client.chat.completions.create(
+                messages=item, stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+            expected = full.choices[0].message.content
+        else:
+            full = client.completions.create(prompt=item, **kwargs)
+            stream = client.completions.create(
+                prompt=item, stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+            expected = full.choices[0].text
+        texts, reasons, usage = collect_stream(stream, chat)
+        assert texts[0] == expected
+        assert reasons[0] == full.choices[0].finish_reason
+        assert usage.completion_tokens == full.usage.completion_tokens
+        assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_seeds_and_n(client, model):
+    msgs = [{"role": "user", "content": "Write a word."}]
+    kwargs = dict(model=model, messages=msgs, max_tokens=10, temperature=1.0, top_p=0.95)
+    a = client.chat.completions.create(seed=1234, n=2, **kwargs)
+    b = client.chat.completions.create(seed=1234, n=2, **kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens <= 20
+    if all(c.finish_reason == "length" for c in a.choices):
+        assert a.usage.completion_tokens == 20
+    others = {client.chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}
+    assert len(others | {a.choices[0].message.content}) > 1, "different seeds all gave the same sample"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_text(client, model, stream):
+    prompt = PROMPTS[0]
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = " " + words[2]
+    expected = full[: full.index(stop)]
+    if stream:
+        texts, reasons, _ = collect_stream(
+            client.completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u2603"], stream=True
+            ),
+            False,
+        )
+        assert texts[0] == expected and reasons[0] == "stop"
+    else:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u2603"]
+        ).choices[0]
+        assert out.text == expected and out.finish_reason == "stop"
+        assert out.model_extra["stop_reason"] == stop
+
+
+def test_logprobs_and_echo(client, model):
+    out = client.chat.completions.create(
+        model=model, messages=CHATS[0], max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+    echoed = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True)
+    plain = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    assert echoed.choices[0].text == PROMPTS[1] + plain.choices[0].text
+
+
+def test_errors(live_server, client, model):
+    with pytest.raises(openai.AuthenticationError):
+        live_server.client(api_key="wrong-key").models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model, prompt="word " * 600, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model, messages=CHATS[0], temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="token id"):
+        client.completions.create(model=model, prompt=[1, 2, 10**7], max_tokens=1)
+    live_server.wait_idle(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kernel_lab_serve_one_command(live_server):
+    """`kernel-lab serve` as a new user runs it: 503 while the model loads, then streamed chat."""
+    port = _free_port()
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kernel_lab.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                seen.append(httpx.get(url + "/health", timeout=5).status_code)
+            except httpx.TransportError:
+                seen.append(None)
+            if seen[-1] == 200:
+                break
+            time.sleep(0.2)
+        assert seen[-1] == 200, seen[-5:]
+        assert set(seen) <= {None, 503, 200}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", stream=True, max_tokens=8, messages=[{"role": "user", "content": "Hello!"}]
+        )
+        texts, reasons, _ = collect_stream(stream, chat=True)
+        assert texts[0].strip() and reasons[0] in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, proc.stdout.read()[-2000:]
