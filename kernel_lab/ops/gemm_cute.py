@@ -87,7 +87,7 @@ class Sm80Gemm:
       16-byte chunks stay contiguous for cp.async, and the XOR swizzle spreads the eight rows one
       `ldmatrix` reads across all 32 banks.
     - The tiled MMA is 2x2 warps of m16n8k16 atoms, with N permuted to 32 so each warp's B fragment is one
-      `ldmatrix.x4`; each warp covers 64x64 of the tile (4 x 8 atoms), 64 fp32 accumulators per thread.
+      `ldmatrix.x4`; each warp covers 64x64 of the tile (4 x 8 atoms), 128 fp32 accumulators per thread.
     K residue: the first K tile is shifted back so that it holds the partial slice; its out-of-range
     columns are never copied (predicated off) and stay at the zero the stage buffer was cleared to, so the
     main loop runs only full tiles. Rows beyond M/N are predicated off in every tile the same way.
@@ -194,7 +194,8 @@ class Sm80Gemm:
         storage = smem.allocate(Storage)
         sA = storage.a.get_tensor(sA_layout)
         sB = storage.b.get_tensor(sB_layout)
-        # The epilogue reuses the A stages once the main loop is done (cosize(sC) < cosize(sA)).
+        # The epilogue reuses the operand stages once the main loop is done: sC (34 KiB with its padding)
+        # covers the A stages (32 KiB) and the start of the B stages, which follow them contiguously.
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, dtype=dtype), sC_layout)
 
         thr_a = copy_a.get_slice(tidx)
