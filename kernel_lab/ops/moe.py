@@ -239,11 +239,18 @@ CONFIGS = (
 )
 
 
-def choose_config(assignments: int, num_experts: int) -> GemmConfig:
+def fp32_config(config: GemmConfig) -> GemmConfig:
+    """fp32 runs IEEE dots on the FMA units (a correctness dtype, not a fast one). Their operands live in
+    registers, so the tiles shrink until no target spills (checked by the compile tests)."""
+    return replace(config, block_m=min(config.block_m, 64), gate_up_n=32, down_n=32, block_k=16, num_warps=4,
+                   num_stages=2)
+
+
+def choose_config(assignments: int, num_experts: int, element_size: int = 2) -> GemmConfig:
     rows_per_expert = assignments / max(1, min(num_experts, assignments))
     for limit, config in CONFIGS:
         if limit is None or rows_per_expert <= limit:
-            return config
+            return fp32_config(config) if element_size == 4 else config
     raise AssertionError("unreachable")
 
 
@@ -268,7 +275,7 @@ def _launch(x, w_gate_up, w_down, weights, ids, fuse_swiglu: bool, config: GemmC
     top_k = ids.shape[1]
     assignments = tokens * top_k
     if config is None:
-        config = choose_config(assignments, E)
+        config = choose_config(assignments, E, x.element_size())
         if interpreter_active():
             config = interpreter_config(config, H, I)
     al = align(ids, E, config.block_m)
@@ -366,9 +373,10 @@ def moe(
 
 # --------------------------------------------------------------------------------------------- AOT specs
 def compile_specs(all_configs: bool = False):
-    """The decode (BLOCK_M 16) and prefill (BLOCK_M 128) tiles of both GEMMs in bf16, and the combine:
-    what the compile tests check for sm_80/89/90a. `all_configs=True` adds every CONFIGS entry, the
-    unfused first GEMM and fp16 (about 40 compiles: too slow for the CPU suite, run it by hand)."""
+    """The decode (BLOCK_M 16) and prefill (BLOCK_M 128) tiles of both GEMMs in bf16, the largest fp32
+    (IEEE FMA) tile of the first GEMM, and the combine: what the compile tests check for sm_80/89/90a.
+    `all_configs=True` adds every CONFIGS entry, the unfused first GEMM and fp16 (about 40 compiles: too
+    slow for the CPU suite, run it by hand)."""
     from kernel_lab.harness.compile import CompileSpec
 
     ints = {"num_experts": "i32", "num_assignments": "i32", "H": "i32", "I": "i32"}
@@ -380,7 +388,7 @@ def compile_specs(all_configs: bool = False):
     down_sig = {"act_ptr": None, "w_ptr": None, "out_ptr": "*fp32", "sorted_ids_ptr": "*i32",
                 "block_expert_ptr": "*i32", **ints, "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
                 "stride_om": "i32"}
-    variants = [("bf16", 16, True), ("bf16", None, True)]
+    variants = [("bf16", 16, True), ("bf16", None, True), ("fp32", None, True)]
     if all_configs:
         variants += [("bf16", 48, True), ("bf16", 96, True), ("bf16", 16, False), ("fp16", 16, True),
                      ("fp16", 16, False)]
@@ -390,17 +398,20 @@ def compile_specs(all_configs: bool = False):
     specs = []
     for dtype, limit, fuse in variants:
         config = dict(CONFIGS)[limit]
+        precision = "tf32"
+        if dtype == "fp32":
+            config, precision = fp32_config(config), "ieee"
         ty = "*" + dtype
         tag = f"{dtype}_m{config.block_m}"
         specs.append(CompileSpec(
             name=f"moe_gate_up_{tag}" + ("_fused" if fuse else ""), kernel=_moe_gate_up_kernel,
             signature=in_kernel_order(_moe_gate_up_kernel, {**gate_up_sig, "x_ptr": ty, "w_ptr": ty, "out_ptr": ty}),
             constexprs={"stride_wk": 1, "BLOCK_M": config.block_m, "BLOCK_N": config.gate_up_n,
-                        "BLOCK_K": config.block_k, "FUSE_SWIGLU": fuse, "UPCAST": False, "PRECISION": "tf32"},
+                        "BLOCK_K": config.block_k, "FUSE_SWIGLU": fuse, "UPCAST": False, "PRECISION": precision},
             num_warps=config.num_warps, num_stages=config.num_stages,
             aligned=tuple(a for a in aligned if a in gate_up_sig),
         ))
-        if fuse:
+        if fuse and dtype != "fp32":
             specs.append(CompileSpec(
                 name=f"moe_down_{tag}", kernel=_moe_down_kernel,
                 signature=in_kernel_order(_moe_down_kernel, {**down_sig, "act_ptr": ty, "w_ptr": ty}),

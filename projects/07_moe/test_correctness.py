@@ -14,7 +14,7 @@ import torch
 from kernel_lab.harness.compile import TARGETS, compile_module
 from kernel_lab.harness.testing import assert_close, case_seed, randn
 from kernel_lab.ops import moe
-from kernel_lab.ops.moe import CONFIGS, _launch, align, max_row_blocks, route
+from kernel_lab.ops.moe import CONFIGS, _launch, align, fp32_config, max_row_blocks, route
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -170,6 +170,14 @@ def test_every_gpu_tile_config(index, device):
     assert_close(y, reference64(x, wgu, wd, logits), dtype, scale=2.0)
 
 
+def test_fp32_tile_config(device):
+    config = fp32_config(CONFIGS[-1][1])
+    x, wgu, wd, logits = make_inputs(6, 4, 80, 72, torch.float32, device, 60)
+    weights, ids = route(logits, 2, True)
+    y = _launch(x, wgu, wd, weights, ids, fuse_swiglu=True, config=config)
+    assert_close(y, reference64(x, wgu, wd, logits), torch.float32)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # padding rows hold uninitialised values
 def test_unfused_path_through_project_02(device):
     dtype = torch.bfloat16
@@ -268,7 +276,9 @@ def test_sass_uses_tensor_cores(compiled):
         if "combine" in name:
             continue
         sass = result["sass"]
-        if target == "sm_90a":
+        if "fp32" in name:  # IEEE fp32 dots run on the FMA units; HMMA here would mean tf32 rounding
+            assert "FFMA" in sass and "HMMA" not in sass and "HGMMA" not in sass, (name, target)
+        elif target == "sm_90a":
             assert "HGMMA" in sass or "HMMA" in sass, (name, target)
         else:
             assert "HMMA" in sass, (name, target)
