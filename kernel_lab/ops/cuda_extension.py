@@ -46,7 +46,8 @@ def load_extension(verbose: bool = False):
     arch = f"{major}{minor}"
     suffix = "a" if major >= 9 else ""
     name = f"kernel_lab_paged_{_source_hash()}_sm{arch}"
-    build_dir = Path(os.environ.get("KERNEL_LAB_BUILD_DIR", Path.home() / ".cache" / "kernel_lab")) / name
+    build_dir = Path(os.environ.get("KERNEL_LAB_BUILD_DIR")
+                     or Path(os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "ext") / name
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,

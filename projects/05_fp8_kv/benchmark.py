@@ -1,0 +1,135 @@
+"""Project 05 benchmark: FP8 E4M3 paged KV cache against the fp16 cache it replaces.
+
+    python projects/05_fp8_kv/benchmark.py [--quick] [--out results]
+
+Reports, per shape: decode speed of the fp8 cache against fp16 paged decode at the same shape (both this
+repo's CUDA kernel), GB/s of the fp8 bytes actually read against the copy bandwidth, and the decode error of
+the fp8 path against the fp16 path on the same data (the fp16 cache written into an fp8 cache with
+write_kv: mean and max abs, relative L2). Storage saved counts K and V bytes plus the float32 page scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernel_lab.harness.results import ResultRecord  # noqa: E402
+from kernel_lab.ops import allocate_kv_cache, paged_decode_attention, write_kv  # noqa: E402
+from kernel_lab.ops.kv_cache import FP8_DTYPE, kv_cache_bytes  # noqa: E402
+
+PROJECT = "05_fp8_kv"
+_spec = importlib.util.spec_from_file_location(
+    "paged_decode_benchmark", Path(__file__).resolve().parents[1] / "04_paged_decode" / "benchmark.py")
+_paged = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_paged)
+HEAD_DIM, BLOCK_SIZE, build_case, benchmark = _paged.HEAD_DIM, _paged.BLOCK_SIZE, _paged.build_case, _paged.benchmark
+LAYOUTS = _paged.LAYOUTS
+
+
+def storage_table() -> list[tuple[int, int, float]]:
+    """(block_size, head_dim, % saved against fp16) for every supported geometry."""
+    rows = []
+    for block_size in (8, 16, 32, 64):
+        for head_dim in (64, 128, 256):
+            fp16 = kv_cache_bytes(1024, block_size, 8, head_dim, torch.float16)
+            fp8 = kv_cache_bytes(1024, block_size, 8, head_dim, FP8_DTYPE)
+            rows.append((block_size, head_dim, 100.0 * (1 - fp8 / fp16)))
+    return rows
+
+
+def fp8_copy_of(k16, v16):
+    """The fp16 cache's contents written into a fresh fp8 cache through write_kv (the production path)."""
+    num_blocks, block_size, heads, head_dim = k16.shape
+    k8, v8, k_scale, v_scale = allocate_kv_cache(num_blocks, block_size, heads, head_dim, FP8_DTYPE, k16.device)
+    slots = torch.arange(num_blocks * block_size, device=k16.device)
+    write_kv(k16.reshape(-1, heads, head_dim), v16.reshape(-1, heads, head_dim), k8, v8, slots, k_scale, v_scale)
+    return k8, v8, k_scale, v_scale
+
+
+def sweep(device: torch.device, quick: bool):
+    if device.type != "cuda":
+        return [(1, 256), (2, 128)]
+    if quick:
+        return [(1, 32768), (16, 8192), (64, 2048)]
+    return [(b, c) for b in (1, 16, 64, 256) for c in (2048, 8192, 32768)]
+
+
+def measure(record, layout, batch, context, num_q_heads, num_kv_heads, dtype, device) -> dict:
+    q, k16, v16, tables, seq_lens, _, _ = build_case(batch, context, num_q_heads, num_kv_heads, dtype, device)
+    k8, v8, k_scale, v_scale = fp8_copy_of(k16, v16)
+    out16, out8 = torch.empty_like(q), torch.empty_like(q)
+
+    def fp16_decode():
+        return paged_decode_attention(q, k16, v16, tables, seq_lens, out=out16)
+
+    def fp8_decode():
+        return paged_decode_attention(q, k8, v8, tables, seq_lens, k_scale=k_scale, v_scale=v_scale, out=out8)
+
+    label = f"{layout} batch={batch} ctx={context}"
+    t16 = benchmark(fp16_decode, device=device, name=f"fp16 {label}")
+    t8 = benchmark(fp8_decode, device=device, name=f"fp8 {label}")
+    diff = fp8_decode().double() - fp16_decode().double()
+    error = {"mean_abs": float(diff.abs().mean()), "max_abs": float(diff.abs().max()),
+             "rel_l2": float(diff.norm() / out16.double().norm())}
+    tokens = batch * context
+    fp8_bytes = (2 * tokens * num_kv_heads * HEAD_DIM + 2 * tables.numel() * num_kv_heads * 4
+                 + 2 * q.numel() * q.element_size() + tables.numel() * 4)
+    print(f"{label}: fp8 vs fp16 decode error mean_abs={error['mean_abs']:.2e} "
+          f"max_abs={error['max_abs']:.2e} rel_l2={error['rel_l2']:.2e}")
+    return record.add_case(label, shape={"layout": layout, "batch": batch, "context": context,
+                                         "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads},
+                           dtype="fp8_e4m3", timing=t8, nbytes=fp8_bytes, baselines={"fp16 paged decode": t16},
+                           extra={"error_vs_fp16": error})
+
+
+def run(device: torch.device, quick: bool, out: str | None) -> ResultRecord:
+    on_gpu = device.type == "cuda"
+    dtype = torch.float16 if on_gpu else torch.float32
+    record = ResultRecord(PROJECT, "fp8 kv decode", device,
+                          f"fp8 e4m3 cache with per-page scales vs the {str(dtype).replace('torch.', '')} cache, "
+                          f"head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}; GB/s = fp8 K/V + scales + q + out bytes")
+    long_context = []
+    for layout, (num_q_heads, num_kv_heads) in LAYOUTS.items():
+        if not on_gpu:
+            num_q_heads, num_kv_heads = num_q_heads // 4, num_kv_heads // 4 or 1
+        for batch, context in sweep(device, quick):
+            if _paged.kv_bytes(batch, context, num_kv_heads, dtype) > _paged.MAX_KV_BYTES:
+                continue
+            case = measure(record, layout, batch, context, num_q_heads, num_kv_heads, dtype, device)
+            if context >= 8192:
+                long_context.append(case)
+            if on_gpu:
+                torch.cuda.empty_cache()
+    saved = {f"bs{b}_hd{h}": round(pct, 2) for b, h, pct in storage_table()}
+    print("storage saved vs fp16 (K+V+scales): " + ", ".join(f"{k} {v}%" for k, v in saved.items()))
+    record.record["storage_saved_percent"] = saved
+    if long_context:
+        worst = min(long_context, key=lambda c: c["speedup"]["fp16 paged decode"])
+        record.set_headline(
+            f"context >= 8K: fp8 decode {worst['speedup']['fp16 paged decode']:.2f}x fp16 in the worst case "
+            f"({worst['name']}); storage saved at block 16 / head_dim 128: {saved['bs16_hd128']}%",
+            speedup=worst["speedup"]["fp16 paged decode"], baseline="fp16 paged decode")
+    print(record.table())
+    path = record.write(out)
+    if path:
+        print(f"wrote {path}")
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
+    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+    args = parser.parse_args(argv)
+    run(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.quick, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
