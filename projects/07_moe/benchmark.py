@@ -25,10 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark  # noqa: E402
+from kernel_lab.harness.bench import benchmark, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import moe  # noqa: E402
+from kernel_lab.ops.common import use_triton  # noqa: E402
 from kernel_lab.ops.moe import CONFIGS, _launch, choose_config, route  # noqa: E402
 
 PROJECT = "07_moe"
@@ -83,11 +84,15 @@ def sweep(device: torch.device, quick: bool):
 
 def tile_sweep(args, top_k, timed) -> str:
     """Time every tile config on one case (printed only, for retuning choose_config on a new GPU)."""
-    weights, ids = route(args[3], top_k, True)
-    chosen = choose_config(ids.numel(), args[1].shape[0])
+    x, w_gate_up, w_down, _ = args
+    chosen = choose_config(x.shape[0] * top_k, w_gate_up.shape[0])
     cells = []
     for _, config in CONFIGS:
-        t = timed(lambda config=config: _launch(args[0], args[1], args[2], weights, ids, True, config), "tile")
+        def call(lg, config=config):
+            weights, ids = route(lg, top_k, True)
+            return _launch(x, w_gate_up, w_down, weights, ids, True, config)
+
+        t = timed(call, "tile")
         cells.append(f"m{config.block_m}{'*' if config == chosen else ''}={t.median_ms * 1e3:.1f}us")
     return "  ".join(cells)
 
@@ -98,7 +103,9 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     b = torch.finfo(dtype).bits // 8
     decode = ResultRecord(PROJECT, "moe decode expert-weight bandwidth", device,
                           "tokens <= 16, bf16, top-2; GB/s = weights of the experts actually used "
-                          "(3 * H * I * b each) + activations, over the median time")
+                          "(3 * H * I * b each) + activations, over the median time; kernel_lab.moe (fused and "
+                          "unfused) replayed from CUDA graphs, router logits rotated so weights are not served "
+                          "from L2; the loop and dense baselines synchronise with the host and run eagerly")
     prefill = ResultRecord(PROJECT, "moe prefill throughput", device,
                            "tokens > 16, bf16, top-2; TFLOP/s = 6 * tokens * top_k * H * I over the median time")
     checked = passed = 0
@@ -108,40 +115,59 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
         w_gate_up = torch.randn((E, 2 * I, H), device=device, dtype=dtype, generator=g) * H ** -0.5
         w_down = torch.randn((E, H, I), device=device, dtype=dtype, generator=g) * I ** -0.5
         for tokens in token_counts:
+            is_decode = tokens <= DECODE_MAX_TOKENS
             x = torch.randn((tokens, H), device=device, dtype=dtype, generator=g)
-            logits = torch.randn((tokens, E), device=device, dtype=torch.float32, generator=g)
-            big = tokens >= 1024
-            reps = {"warmup": 5, "rep": 20} if big else {}
+            # Decode touches only a few experts' weights, which can fit in L2 (small shape: 19 MB), and it
+            # is replayed from a CUDA graph without L2 flushes: calls rotate over router logits that pick
+            # different experts, so consecutive calls do not find their weights in L2.
+            per_call = 2 * top_k * 3 * H * I * b
+            variants = inputs_for_rotation(per_call) if is_decode and device.type == "cuda" else 1
+            logits_sets = [torch.randn((tokens, E), device=device, dtype=torch.float32, generator=g)
+                           for _ in range(variants)]
+            reps = {"warmup": 5, "rep": 20} if tokens >= 1024 else {}
+            graph = True if is_decode and device.type == "cuda" else None
 
-            def timed(fn, tag, tokens=tokens, reps=reps, shape_name=shape_name):
-                return benchmark(fn, device=device, name=f"{tag} {shape_name} tokens={tokens}", **reps)
+            def timed(fn, tag, tokens=tokens, reps=reps, shape_name=shape_name, logits_sets=logits_sets, **kw):
+                fns = [lambda lg=lg: fn(lg) for lg in logits_sets]
+                label = f"{tag} {shape_name} tokens={tokens}"
+                try:
+                    return benchmark(fns, device=device, name=label, **reps, **kw)
+                except RuntimeError as exc:  # a capture failure must not cost the whole record
+                    if not kw.get("cuda_graph"):
+                        raise
+                    print(f"WARNING: CUDA-graph timing of {label} failed ({exc}); timed eagerly instead")
+                    torch.cuda.synchronize()
+                    return benchmark(fns, device=device, name=label, cuda_graph=False, **reps)
 
-            args = (x, w_gate_up, w_down, logits)
-            ours = moe(*args, top_k=top_k)
+            args = (x, w_gate_up, w_down, logits_sets[0])
             checked += 1
             try:
-                assert_close(ours, per_expert_loop(*args, top_k), dtype, scale=4.0)
+                assert_close(moe(*args, top_k=top_k), per_expert_loop(*args, top_k), dtype, scale=4.0)
                 passed += 1
             except AssertionError as exc:
                 print(f"MISMATCH {shape_name} tokens={tokens}: {exc}")
-            t_ours = timed(lambda: moe(*args, top_k=top_k), "kernel_lab.moe")
+            t_ours = timed(lambda lg: moe(x, w_gate_up, w_down, lg, top_k=top_k), "kernel_lab.moe", cuda_graph=graph)
             baselines = {
-                "per-expert loop": timed(lambda: per_expert_loop(*args, top_k), "loop"),
-                "dense padded bmm": timed(lambda: dense_padded_bmm(*args, top_k), "dense"),
-                "unfused swiglu": timed(lambda: moe(*args, top_k=top_k, fuse_swiglu=False), "unfused"),
+                "per-expert loop": timed(lambda lg: per_expert_loop(x, w_gate_up, w_down, lg, top_k), "loop"),
+                "dense padded bmm": timed(lambda lg: dense_padded_bmm(x, w_gate_up, w_down, lg, top_k), "dense"),
+                "unfused swiglu": timed(lambda lg: moe(x, w_gate_up, w_down, lg, top_k=top_k, fuse_swiglu=False),
+                                        "unfused", cuda_graph=graph),
             }
-            if tiles:
+            if graph:  # what the same calls cost when every launch goes through the host
+                baselines["kernel_lab.moe eager"] = timed(lambda lg: moe(x, w_gate_up, w_down, lg, top_k=top_k),
+                                                          "eager", cuda_graph=False)
+            if tiles and use_triton(x):
                 print(f"tiles {shape_name} tokens={tokens}: {tile_sweep(args, top_k, timed)}  (* = chosen)")
-            used = int(torch.unique(route(logits, top_k, True)[1]).numel())
-            shape = {"E": E, "H": H, "I": I, "top_k": top_k, "tokens": tokens, "used_experts": used}
+            used = [int(torch.unique(route(lg, top_k, True)[1]).numel()) for lg in logits_sets]
+            shape = {"E": E, "H": H, "I": I, "top_k": top_k, "tokens": tokens,
+                     "used_experts": sum(used) / len(used), "router_variants": variants}
             name = f"{shape_name} tokens={tokens}"
-            if tokens <= DECODE_MAX_TOKENS:
-                nbytes = used * 3 * H * I * b + 2 * tokens * H * b
+            if is_decode:
+                nbytes = int(sum(used) / len(used) * 3 * H * I * b) + 2 * tokens * H * b
                 decode.add_case(name, shape=shape, dtype="bf16", timing=t_ours, nbytes=nbytes, baselines=baselines)
             else:
                 prefill.add_case(name, shape=shape, dtype="bf16", timing=t_ours, flops=6.0 * tokens * top_k * H * I,
                                  baselines=baselines)
-        del w_gate_up, w_down
     records = []
     for rec, what in ((decode, "expert-weight bandwidth"), (prefill, "throughput")):
         if not rec.record["cases"]:
