@@ -32,7 +32,7 @@ void check_cuda(const char* name, const at::Tensor& t) {
 
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& k_scale,
-                  const c10::optional<at::Tensor>& v_scale, at::Tensor& out, const c10::optional<at::Tensor>& partial_out,
+                  const c10::optional<at::Tensor>& v_scale, const at::Tensor& out, const c10::optional<at::Tensor>& partial_out,
                   const c10::optional<at::Tensor>& partial_stats, double scale, int64_t heads_per_group,
                   int64_t partition_blocks, int64_t num_splits) {
   check_cuda("q", q);
@@ -104,7 +104,7 @@ at::Tensor aligned_rows(const at::Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-void write_kv(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& k_cache, at::Tensor& v_cache,
+void write_kv(const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
               const c10::optional<at::Tensor>& v_scale) {
   check_cuda("key", key_in);

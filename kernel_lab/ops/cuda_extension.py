@@ -78,8 +78,13 @@ def compile_kernels(name: str, targets: tuple[int, ...] = (80, 89, 90)) -> dict:
         return {cap: future.result() for cap, future in futures.items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out) -> None:
