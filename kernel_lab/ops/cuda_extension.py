@@ -44,7 +44,8 @@ def load_extension(verbose: bool = False):
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
-    suffix = "a" if major >= 9 else ""
+    # torch.utils.cpp_extension derives -gencode flags from this list; only the GPU in use is built.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     name = f"kernel_lab_paged_{_source_hash()}_sm{arch}"
     build_dir = Path(os.environ.get("KERNEL_LAB_BUILD_DIR")
                      or Path(os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "ext") / name
@@ -54,9 +55,7 @@ def load_extension(verbose: bool = False):
         sources=[str(CSRC / BINDING_SOURCE), *(str(p) for p in kernel_sources())],
         extra_include_paths=[str(CSRC)],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-lineinfo",
-                           f"-gencode=arch=compute_{arch}{suffix},code=sm_{arch}{suffix}",
-                           "-Xptxas=-v" if verbose else "-Xptxas=-O3"],
+        extra_cuda_cflags=["-O3", "-lineinfo"] + (["-Xptxas=-v"] if verbose else []),
         build_directory=str(build_dir),
         verbose=verbose,
     )

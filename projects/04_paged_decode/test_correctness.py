@@ -77,7 +77,11 @@ def make_case(seed, *, batch, num_q_heads, num_kv_heads, head_dim, block_size, l
     src_dtype = dtype if cache_dtype != torch.float8_e4m3fn else torch.float32
     keys = randn((slots.numel(), num_kv_heads, head_dim), src_dtype, "cpu", seed + 1)
     values = randn((slots.numel(), num_kv_heads, head_dim), src_dtype, "cpu", seed + 2)
-    write_kv(keys, values, k_cache, v_cache, slots, k_scale, v_scale)
+    if cache_dtype == torch.float8_e4m3fn:
+        write_kv(keys, values, k_cache, v_cache, slots, k_scale, v_scale)  # the CPU reference of the policy
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).copy_(keys)  # slot = block * block_size + offset
+        v_cache.view(-1, num_kv_heads, head_dim).copy_(values)
     q = randn((batch, num_q_heads, head_dim), dtype, "cpu", seed + 3)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     tensors = [q, k_cache, v_cache, tables, seq_lens, k_scale, v_scale]
