@@ -7,11 +7,13 @@ from .kv_cache import allocate_kv_cache, write_kv
 from .moe import moe
 from .paged_attention import paged_decode_attention
 from .rmsnorm import fused_add_rms_norm, rms_norm
+from .sampling import sample, topk
 from .swiglu import silu_and_mul
 
 __all__ = [
     "rms_norm", "fused_add_rms_norm", "paged_decode_attention", "write_kv", "allocate_kv_cache",
     "silu_and_mul",
     "matmul",
+    "topk", "sample",
     "moe",
 ]
