@@ -40,8 +40,10 @@ def register() -> None:
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(TARGET_VLLM_VERSION):
         logger.warning("kernel_lab_vllm_plugin targets vLLM %s, found %s", TARGET_VLLM_VERSION, version)
-    logger.info("kernel_lab_vllm_plugin: %s now runs kernel_lab.ops.silu_and_mul; in compiled mode enable it "
-                "with custom_ops=['+%s']", REPLACED_OP, REPLACED_OP)
+    # vLLM may load plugins before it configures logging (LLM() does), so this line can be silent in the
+    # front-end process; the layer also reports once per process, when the model is built.
+    logger.info("kernel_lab_vllm_plugin: registered for %s; in compiled mode enable it with custom_ops=['+%s']",
+                REPLACED_OP, REPLACED_OP)
 
 
 def is_registered() -> bool:

@@ -112,3 +112,25 @@ def test_registration_refuses_a_second_replacement(registry_entry_removed):
             kernel_lab_vllm_plugin.register()
     finally:
         op_registry_oot.pop("SiluAndMul")
+
+
+def test_layer_construction_reports_once_whether_the_kernel_runs(monkeypatch):
+    from kernel_lab_vllm_plugin import layer as layer_module
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    plugin_logger = logging.getLogger("vllm.plugins.kernel_lab")
+    monkeypatch.setattr(layer_module, "_announced", False)
+    level = plugin_logger.level
+    plugin_logger.setLevel(logging.INFO)
+    plugin_logger.addHandler(handler)
+    try:
+        with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(mode=COMPILED))):
+            for _ in range(3):  # one per decoder layer in a real model
+                SiluAndMul()
+    finally:
+        plugin_logger.removeHandler(handler)
+        plugin_logger.setLevel(level)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert "disabled by custom_ops" in records[0].getMessage() and "'+SiluAndMul'" in records[0].getMessage()
