@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
@@ -341,6 +342,8 @@ def format_summary(record: dict) -> str:
     lines = [
         f"============ Serving Benchmark Result ({record['server_label']}, {record['device']}) ============",
         f"{'Max concurrency:':<40}{record['max_concurrency'] or 'unlimited'}",
+        f"{'Host load average (start, end):':<40}{record['host_load_avg_1m']['start']:.1f}, "
+        f"{record['host_load_avg_1m']['end']:.1f}",
         f"{'Request rate (req/s):':<40}{record['request_rate']}",
         f"{'Successful requests:':<40}{m['completed']}",
         f"{'Failed requests:':<40}{m['failed']}",
@@ -439,6 +442,7 @@ def benchmark_once(
     env: dict,
     device: str,
 ) -> dict:
+    load_before = os.getloadavg()[0]
     results, duration = asyncio.run(
         run_benchmark(
             args.base_url,
@@ -490,6 +494,8 @@ def benchmark_once(
             for r in results
         ],
         "env": env,
+        # other work on the machine skews every latency: say how busy it was
+        "host_load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
     }
 
 

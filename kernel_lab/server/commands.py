@@ -126,7 +126,10 @@ def run_serve(args) -> int:
             )
 
     threading.Thread(target=watch_engine, daemon=True, name="engine-watch").start()
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 1 if failed.is_set() else 0
 
 

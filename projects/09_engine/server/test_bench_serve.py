@@ -113,6 +113,14 @@ def test_benchmark_against_fake_server_matches_server_metrics(fake_server, read_
 def test_cli_writes_records_and_plots_draw_them(fake_server, tmp_path, monkeypatch, tokenizer, capsys):
     server = fake_server(step_delay_s=0.001)
     monkeypatch.setattr(bench_serve, "load_tokenizer", lambda spec: tokenizer)
+    # the full environment record runs nvcc and git (tens of seconds on a busy machine); tested elsewhere
+    import kernel_lab.harness.env as env_module
+
+    monkeypatch.setattr(
+        env_module,
+        "environment_record",
+        lambda: {"date": "2026-01-01T00:00:00+00:00", "gpu": None, "cpu": "test-cpu", "cpu_count": 2},
+    )
     from kernel_lab.cli import main
 
     rc = main(

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -54,11 +56,25 @@ def test_models_lists_the_default_model(live_server, model):
     assert data.json()["data"][0]["max_model_len"] == live_server.engine.max_model_len
 
 
+def parallel(*calls):
+    """Run the calls concurrently (the engine batches them, so this costs about one request) and return
+    their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def test_completions_greedy_usage_and_determinism(live_server, client, model):
     tok = live_server.engine.tokenizer
-    for prompt in PROMPTS[:2]:
-        a = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
-        b = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    prompts = PROMPTS[:2]
+    outs = parallel(
+        *[
+            partial(client.completions.create, model=model, prompt=p, max_tokens=12, temperature=0)
+            for p in prompts
+            for _ in range(2)
+        ]
+    )
+    for i, prompt in enumerate(prompts):
+        a, b = outs[2 * i], outs[2 * i + 1]
         assert a.choices[0].text == b.choices[0].text and a.choices[0].text.strip()
         assert a.usage.prompt_tokens == len(tok.encode(prompt))
         assert a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
@@ -80,22 +96,22 @@ def test_capital_of_france_is_paris(client, model):
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_streaming_equals_non_streaming_for_greedy(client, model, chat):
-    inputs = CHATS if chat else PROMPTS
-    for item in inputs:
-        kwargs = dict(model=model, max_tokens=20, temperature=0)
-        if chat:
-            full = client.chat.completions.create(messages=item, **kwargs)
-            stream = client.chat.completions.create(
-                messages=item, stream=True, stream_options={"include_usage": True}, **kwargs
-            )
-            expected = full.choices[0].message.content
-        else:
-            full = client.completions.create(prompt=item, **kwargs)
-            stream = client.completions.create(
-                prompt=item, stream=True, stream_options={"include_usage": True}, **kwargs
-            )
-            expected = full.choices[0].text
-        texts, reasons, usage = collect_stream(stream, chat)
+    inputs = CHATS if chat else PROMPTS[::2]
+    kwargs = dict(model=model, max_tokens=16, temperature=0)
+    stream_kwargs = dict(stream=True, stream_options={"include_usage": True}, **kwargs)
+    if chat:
+        calls = [partial(client.chat.completions.create, messages=m, **kwargs) for m in inputs] + [
+            partial(lambda m: collect_stream(client.chat.completions.create(messages=m, **stream_kwargs), True), m)
+            for m in inputs
+        ]
+    else:
+        calls = [partial(client.completions.create, prompt=p, **kwargs) for p in inputs] + [
+            partial(lambda p: collect_stream(client.completions.create(prompt=p, **stream_kwargs), False), p)
+            for p in inputs
+        ]
+    results = parallel(*calls)
+    for full, (texts, reasons, usage) in zip(results[: len(inputs)], results[len(inputs) :], strict=True):
+        expected = full.choices[0].message.content if chat else full.choices[0].text
         assert texts[0] == expected
         assert reasons[0] == full.choices[0].finish_reason
         assert usage.completion_tokens == full.usage.completion_tokens
@@ -104,40 +120,36 @@ def test_streaming_equals_non_streaming_for_greedy(client, model, chat):
 
 def test_seeds_and_n(client, model):
     msgs = [{"role": "user", "content": "Write a word."}]
-    kwargs = dict(model=model, messages=msgs, max_tokens=10, temperature=1.0, top_p=0.95)
-    a = client.chat.completions.create(seed=1234, n=2, **kwargs)
-    b = client.chat.completions.create(seed=1234, n=2, **kwargs)
+    kwargs = dict(model=model, messages=msgs, max_tokens=8, temperature=1.0, top_p=0.95)
+    a, b, *others = parallel(
+        partial(client.chat.completions.create, seed=1234, n=2, **kwargs),
+        partial(client.chat.completions.create, seed=1234, n=2, **kwargs),
+        *[partial(client.chat.completions.create, seed=s, **kwargs) for s in (1, 2, 3)],
+    )
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    assert a.usage.completion_tokens <= 20
+    assert a.usage.completion_tokens <= 16
     if all(c.finish_reason == "length" for c in a.choices):
-        assert a.usage.completion_tokens == 20
-    others = {client.chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}
-    assert len(others | {a.choices[0].message.content}) > 1, "different seeds all gave the same sample"
+        assert a.usage.completion_tokens == 16
+    samples = {o.choices[0].message.content for o in others} | {a.choices[0].message.content}
+    assert len(samples) > 1, "different seeds all gave the same sample"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_cuts_the_text(client, model, stream):
+def test_stop_string_cuts_the_text(client, model):
     prompt = PROMPTS[0]
     full = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     words = full.split()
     assert len(words) >= 4, full
     stop = " " + words[2]
     expected = full[: full.index(stop)]
-    if stream:
-        texts, reasons, _ = collect_stream(
-            client.completions.create(
-                model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u2603"], stream=True
-            ),
-            False,
-        )
-        assert texts[0] == expected and reasons[0] == "stop"
-    else:
-        out = client.completions.create(
-            model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u2603"]
-        ).choices[0]
-        assert out.text == expected and out.finish_reason == "stop"
-        assert out.model_extra["stop_reason"] == stop
+    kwargs = dict(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u2603"])
+    out, (texts, reasons, _) = parallel(
+        partial(client.completions.create, **kwargs),
+        lambda: collect_stream(client.completions.create(stream=True, **kwargs), False),
+    )
+    assert texts[0] == expected and reasons[0] == "stop"
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
 
 
 def test_logprobs_and_echo(client, model):
@@ -150,8 +162,10 @@ def test_logprobs_and_echo(client, model):
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         # greedy: the chosen token is the most likely one
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
-    echoed = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True)
-    plain = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    echoed, plain = parallel(
+        partial(client.completions.create, model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True),
+        partial(client.completions.create, model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0),
+    )
     assert echoed.choices[0].text == PROMPTS[1] + plain.choices[0].text
 
 
