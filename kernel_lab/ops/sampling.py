@@ -62,7 +62,7 @@ from .common import FLOAT_DTYPES, check_same_device, check_tensor, use_triton
 
 MAX_VOCAB = 262144
 MAX_K = 1024
-MAX_TILE = 4096  # logits one stage-1 program examines
+MAX_TILE = 2048  # logits one stage-1 program examines (8 per thread at 8 warps: 16-byte bf16 loads)
 MERGE_BLOCK = 4096  # candidates one merge program examines
 SAMPLE_SLOT = 1024  # per-tile candidate capacity for sampling rows with a top_k (top_k above it: rejection path)
 STREAM_CHUNK = 2048  # elements per step when one program streams a whole row
@@ -181,7 +181,7 @@ def _sample_ranked(packed, e, total, n_rank, n_cand, p, k_on, p_on, u) -> torch.
 _ADD = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
-PAIRWISE_MAX = tl.constexpr(256)  # blocks up to this size select by pairwise ranking instead of bisection
+PAIRWISE_MAX = tl.constexpr(64)  # blocks up to this size select by pairwise ranking instead of bisection
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def _select_top_n(hi, lo, valid, n, BLOCK: tl.constexpr):
 
     hi is the int32 logit key and lo = 2**31 - 1 - index >= 0, so the pairs are unique and "best" means
     larger logit, then lower index. Large blocks bisect on hi (at most 32 block-wide counts), then on lo
-    when equal logits straddle the cut; blocks of at most PAIRWISE_MAX rank every element by counting.
+    when equal logits straddle the cut; blocks of at most PAIRWISE_MAX (64) rank every element by counting.
     """
     if BLOCK <= PAIRWISE_MAX:
         packed = (hi.to(tl.int64) << 32) | lo.to(tl.int64)
@@ -738,6 +738,12 @@ def compile_specs():
             constexprs={"TILE": splan["tile"], "SLOT": splan["slot"]}, num_warps=_num_warps(splan["tile"]),
             aligned=("x_ptr", "x_row_stride", "V", "cand_ptr"), min_capability=min_cap,
         ))
+    small = sample_plan(48)  # a tiny vocabulary: one 64-wide tile, selected by pairwise ranking
+    specs.append(CompileSpec(
+        name="sample_tile_bf16_v48", kernel=_sample_tile_kernel, signature=specs[-1].signature,
+        constexprs={"TILE": small["tile"], "SLOT": small["slot"]}, num_warps=_num_warps(small["tile"]),
+        min_capability=90,
+    ))
     splan = sample_plan(131072)
     specs.append(CompileSpec(
         name="sample_finish_bf16", kernel=_sample_finish_kernel,

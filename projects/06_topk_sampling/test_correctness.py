@@ -441,7 +441,7 @@ def test_compiles_for_every_target_without_spills(compiled):
 def test_sass_has_vector_loads_and_fast_exponentials(compiled):
     for (name, target), result in compiled.items():
         sass = result["sass"]
-        if name.startswith(("topk_tile", "sample_tile")):
+        if name.startswith(("topk_tile", "sample_tile")) and not name.endswith("_v48"):
             assert "LDG.E.128" in sass, (name, target)  # the logits tile is read with 16-byte loads
         if name.startswith(("sample_tile", "sample_finish")):
             assert "MUFU.EX2" in sass, (name, target)  # tl.exp lowers to ex2.approx, not a libdevice call
