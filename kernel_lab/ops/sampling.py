@@ -7,13 +7,14 @@ half (NaN above +inf, -0.0 equal to +0.0) and `2**31 - 1 - index` in the low hal
 greedy decoding).
 
 topk(logits, k), hierarchical selection:
-  1. `_topk_tile_kernel`, grid (rows, tiles): a program takes a tile of up to MAX_TILE logits and finds the
-     key of its k-th best element by bisection on the int32 logit key (<= 32 block-wide counts, then a
-     bisection on the index half when equal logits straddle the cut), then compacts its k best
+  1. `_topk_tile_kernel`, grid (rows, tiles): a program takes a tile of up to MAX_TILE logits and bisects on
+     the int32 logit key for a cut keeping a prefix of the ranking that holds its k best and fits the slot
+     (it stops as soon as the count lies in [k, slot]: a few block-wide counts instead of 32; a second
+     bisection on the index half splits equal logits straddling the cut), then compacts the survivors
      (prefix-sum positions) into a slot of the candidate buffer.
   2. `_merge_kernel`, repeated until one slot per row is left: the same selection over GROUP slots.
-  3. `_topk_finish_kernel`: ranks the k survivors by counting larger keys (k^2 compares, no sort network),
-     stores each at its rank and gathers the values.
+  3. `_topk_finish_kernel`: ranks the survivors by counting larger keys (quadratic compares, no sort
+     network), stores the k best at their ranks and gathers the values.
   Memory traffic: the logits are read once (rows * vocab * b bytes); the candidate traffic is
   rows * tiles * k * 8 bytes, small next to it for k << MAX_TILE.
 
@@ -210,12 +211,15 @@ def _load_sampling_logits(row_ptr, cols, valid):
 
 
 @triton.jit
-def _select_top_n(hi, lo, valid, n, BLOCK: tl.constexpr):
-    """Mask of the n best (hi, lo) pairs among `valid` (all of them when fewer than n are valid).
+def _select_top_n(hi, lo, valid, n, cap, BLOCK: tl.constexpr):
+    """Mask of a prefix of the ranking of the valid (hi, lo) pairs that holds the n best and at most
+    max(n, cap) elements (all valid ones when that is fewer).
 
     hi is the int32 logit key and lo = 2**31 - 1 - index >= 0, so the pairs are unique and "best" means
-    larger logit, then lower index. Large blocks bisect on hi (at most 32 block-wide counts), then on lo
-    when equal logits straddle the cut; blocks of at most PAIRWISE_MAX (64) rank every element by counting.
+    larger logit, then lower index. Large blocks bisect on hi (at most 32 block-wide counts), stopping as
+    soon as the count above the cut falls in [n, cap] (with cap >> n that takes a few rounds), and bisect on
+    lo only when equal logits straddle the cut and would overflow cap. Blocks of at most PAIRWISE_MAX (64)
+    keep exactly the n best, ranked by counting.
     """
     if BLOCK <= PAIRWISE_MAX:
         packed = (hi.to(tl.int64) << 32) | lo.to(tl.int64)
@@ -223,19 +227,25 @@ def _select_top_n(hi, lo, valid, n, BLOCK: tl.constexpr):
         rank = tl.reduce(better.to(tl.int32), 1, _ADD)
         keep = valid & (rank < n)
     else:
+        cap = tl.maximum(cap, n)
         lo_b = tl.reduce(tl.where(valid, hi, 2147483647), 0, _MIN).to(tl.int64)
         hi_b = tl.reduce(tl.where(valid, hi, -2147483648), 0, _MAX).to(tl.int64)
-        while lo_b < hi_b:  # invariant: count(hi >= lo_b) >= n > count(hi > hi_b)
+        found = tl.reduce(valid.to(tl.int32), 0, _ADD) <= cap
+        while (lo_b < hi_b) & (found == 0):  # invariant: count(hi >= lo_b) >= n > count(hi > hi_b)
             mid = lo_b + (hi_b - lo_b + 1) // 2
-            ok = tl.reduce((valid & (hi >= mid.to(tl.int32))).to(tl.int32), 0, _ADD) >= n
+            count = tl.reduce((valid & (hi >= mid.to(tl.int32))).to(tl.int32), 0, _ADD)
+            ok = count >= n
+            found = ok & (count <= cap)
             lo_b = tl.where(ok, mid, lo_b)
             hi_b = tl.where(ok, hi_b, mid - 1)
         cut = lo_b.to(tl.int32)
         above = valid & (hi > cut)
-        need = n - tl.reduce(above.to(tl.int32), 0, _ADD)
         tie = valid & (hi == cut)
+        need = n - tl.reduce(above.to(tl.int32), 0, _ADD)
         t_lo = tl.reduce(tl.where(tie, lo, 2147483647), 0, _MIN).to(tl.int64)
         t_hi = tl.reduce(tl.where(tie, lo, -1), 0, _MAX).to(tl.int64)
+        fits = tl.reduce((above | tie).to(tl.int32), 0, _ADD) <= cap
+        t_hi = tl.where(fits, t_lo, t_hi)  # every tie fits: keep them all
         while t_lo < t_hi:
             mid = t_lo + (t_hi - t_lo + 1) // 2
             ok = tl.reduce((tie & (lo >= mid.to(tl.int32))).to(tl.int32), 0, _ADD) >= need
@@ -255,7 +265,7 @@ def _topk_tile_kernel(x_ptr, x_row_stride, V, k, cand_ptr, count_ptr, n_tiles,
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=valid, other=0.0).to(tl.float32)
     hi = _order_key(x)
     lo = 2147483647 - cols
-    keep = _select_top_n(hi, lo, valid, k, TILE)
+    keep = _select_top_n(hi, lo, valid, k, SLOT, TILE)  # any superset up to SLOT: the finish ranks
     keep_i = keep.to(tl.int32)
     slot = row * n_tiles + tile
     pos = tl.associative_scan(keep_i, 0, _ADD) - 1
@@ -264,8 +274,9 @@ def _topk_tile_kernel(x_ptr, x_row_stride, V, k, cand_ptr, count_ptr, n_tiles,
 
 
 @triton.jit
-def _merge_kernel(in_cand_ptr, in_count_ptr, n_in, out_cand_ptr, out_count_ptr, n_out, k, k_ptr,
+def _merge_kernel(in_cand_ptr, in_count_ptr, n_in, out_cand_ptr, out_count_ptr, n_out, k, k_ptr, exact,
                   PER_ROW_K: tl.constexpr, SLOT: tl.constexpr, GROUP: tl.constexpr):
+    """Keep a superset (up to SLOT) of the best k of GROUP candidate slots, or exactly k when `exact`."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     j = tl.arange(0, GROUP * SLOT)
@@ -280,7 +291,7 @@ def _merge_kernel(in_cand_ptr, in_count_ptr, n_in, out_cand_ptr, out_count_ptr, 
     else:
         n = k
     keep = _select_top_n((packed >> 32).to(tl.int32), (packed & 0x7FFFFFFF).to(tl.int32), valid, n,
-                         GROUP * SLOT)
+                         tl.where(exact != 0, n, SLOT), GROUP * SLOT)
     keep_i = keep.to(tl.int32)
     out_slot = row * n_out + part
     out_pos = tl.associative_scan(keep_i, 0, _ADD) - 1
@@ -364,7 +375,9 @@ def _sample_tile_kernel(
     n_cand = best_idx * 0
     if use_cand:
         lo = 2147483647 - cols
-        keep = _select_top_n(hi, lo, valid, k, TILE)
+        # A superset of up to SLOT is enough when merges follow; a single tile goes straight to the finish,
+        # which needs exactly top_k.
+        keep = _select_top_n(hi, lo, valid, k, tl.where(n_tiles == 1, k, SLOT), TILE)
         keep_i = keep.to(tl.int32)
         pos = tl.associative_scan(keep_i, 0, _ADD) - 1
         tl.store(cand_ptr + slot * SLOT + pos, (hi.to(tl.int64) << 32) | lo.to(tl.int64), mask=keep)
@@ -555,14 +568,15 @@ def sample_plan(vocab: int) -> dict:
             "group": max(2, MERGE_BLOCK // slot)}
 
 
-def _merge_until_one(cand, count, n_slots, slot, group, rows, k=0, k_per_row=None):
+def _merge_until_one(cand, count, n_slots, slot, group, rows, k=0, k_per_row=None, exact_last=False):
     while n_slots > 1:
         n_out = triton.cdiv(n_slots, group)
         out_cand = torch.empty((rows, n_out, slot), dtype=torch.int64, device=cand.device)
         out_count = torch.empty((rows, n_out), dtype=torch.int32, device=cand.device)
         per_row = k_per_row is not None
+        exact = int(exact_last and n_out == 1)
         _merge_kernel[(rows, n_out)](
-            cand, count, n_slots, out_cand, out_count, n_out, k, k_per_row if per_row else count,
+            cand, count, n_slots, out_cand, out_count, n_out, k, k_per_row if per_row else count, exact,
             PER_ROW_K=per_row, SLOT=slot, GROUP=group, num_warps=_num_warps(group * slot),
         )
         cand, count, n_slots = out_cand, out_count, n_out
@@ -601,7 +615,7 @@ def _sample_triton(x, temperature, top_k, top_p, seed):
         tile_max, tile_sum, tile_score, tile_idx, cand, count, n_tiles,
         TILE=tile, SLOT=slot, num_warps=_num_warps(tile),
     )
-    cand, count = _merge_until_one(cand, count, n_tiles, slot, plan["group"], rows, k_per_row=top_k)
+    cand, count = _merge_until_one(cand, count, n_tiles, slot, plan["group"], rows, k_per_row=top_k, exact_last=True)
     out = torch.empty(rows, dtype=torch.int64, device=dev)
     _sample_finish_kernel[(rows,)](
         x, x.stride(0), vocab, temperature, top_k, top_p, seed,
@@ -758,7 +772,7 @@ def compile_specs():
     specs.append(CompileSpec(
         name="merge_slot1024", kernel=_merge_kernel,
         signature={"in_cand_ptr": "*i64", "in_count_ptr": "*i32", "n_in": "i32", "out_cand_ptr": "*i64",
-                   "out_count_ptr": "*i32", "n_out": "i32", "k": "i32", "k_ptr": "*i32"},
+                   "out_count_ptr": "*i32", "n_out": "i32", "k": "i32", "k_ptr": "*i32", "exact": "i32"},
         constexprs={"PER_ROW_K": True, "SLOT": SAMPLE_SLOT, "GROUP": MERGE_BLOCK // SAMPLE_SLOT},
         num_warps=_num_warps(MERGE_BLOCK), aligned=("in_cand_ptr", "out_cand_ptr"),
     ))
