@@ -389,13 +389,15 @@ class OpenAIServer:
         if vocab is not None and any(t >= vocab for t in ids):
             raise bad_request(f"{param} holds a token id outside the vocabulary (size {vocab})", param)
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
+    def _max_tokens(
+        self, prompt_len: int, requested: int | None, default: int | None, param: str, prompt_param: str = "prompt"
+    ) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the "
                 f"prompt has {prompt_len} tokens, leaving no room for a completion.",
-                "messages" if param == "max_completion_tokens" else "prompt",
+                prompt_param,
             )
         if requested is None:
             return room if default is None else min(default, room)
@@ -686,7 +688,7 @@ class OpenAIServer:
             raise bad_request("messages render to an empty prompt", "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(len(ids), requested, None, param)
+        max_tokens = self._max_tokens(len(ids), requested, None, param, prompt_param="messages")
         top = body.top_logprobs or 0
         params = self.make_params(**self._sampling_kwargs(body, max_tokens, top if body.logprobs else None))
         jobs = [_Job(0, ids, None)]

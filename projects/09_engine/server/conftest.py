@@ -1,7 +1,7 @@
 """Fixtures for the server tests: servers on 127.0.0.1 with an ephemeral port, in a background thread.
 
 - `fake_server(...)`: a factory for servers around fake_engine.FakeEngine (milliseconds per request).
-- `live_server`: one server around the real default model for the whole session (skipped when
+- `live_server`: one server around the real default model per test module (skipped when
   kernel_lab.engine is not importable), with the PyTorch reference path on CPU (TRITON_INTERPRET=0:
   interpreting every kernel of a 30-layer model would take minutes).
 """
@@ -149,11 +149,13 @@ def _real_engine_available() -> str | None:
 
 
 # Small enough for a 2-core CPU, big enough for the load test's 256 clients to queue.
-LIVE_ENGINE_KWARGS = dict(max_model_len=512, max_num_seqs=32, dtype="float32", device="cpu")
+LIVE_ENGINE_KWARGS = dict(max_model_len=512, max_num_seqs=64, dtype="float32", device="cpu")
 LIVE_API_KEY = "test-key-123"
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: the fixture switches TRITON_INTERPRET to 0 for as long as the server runs, and
+# that must not leak into other projects' tests that run later in the same pytest process.
+@pytest.fixture(scope="module")
 def live_server():
     reason = _real_engine_available()
     if reason:

@@ -296,6 +296,8 @@ def test_prompt_over_context_is_400(fake_server):
         HTTP.post(server.url + "/v1/completions", json={"prompt": "y" * 20, "max_tokens": 20}), 400, "max_tokens"
     )
     assert "32" in error["message"]
+    long_chat = [{"role": "user", "content": "z" * 40}]
+    expect_error(HTTP.post(server.url + "/v1/chat/completions", json={"messages": long_chat}), 400, "messages")
     # without an explicit max_tokens the default is capped to what fits
     ok = HTTP.post(server.url + "/v1/completions", json={"prompt": "y" * 20})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 32 - 21
