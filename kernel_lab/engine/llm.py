@@ -27,6 +27,16 @@ class LLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (several wrappers may share one; their request ids never collide)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
+    def _next_id(self) -> str:
+        return f"llm-{id(self):x}-{next(self._ids)}"
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -44,7 +54,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
-                request_id = f"llm-{next(self._ids)}"
+                request_id = self._next_id()
                 self.engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
         except Exception:
@@ -78,7 +88,7 @@ class LLM:
         """Text deltas of one completion as they are produced. `prompt` may be a conversation."""
         if _is_conversation(prompt):
             prompt = self.tokenizer.apply_chat_template(prompt)
-        request_id = f"llm-{next(self._ids)}"
+        request_id = self._next_id()
         self.engine.add_request(request_id, prompt, sampling_params)
         done = False
         try:

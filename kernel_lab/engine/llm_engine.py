@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_lab.models.llama import ModelConfig, build_model
+from kernel_lab.models.llama import ModelConfig, build_model, random_state_dict
 from kernel_lab.models.loader import load_config, load_state_dict, resolve_model_dir
 from kernel_lab.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -71,8 +71,11 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, device="auto", num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, seed: int = 0,
                  pad_decode_batches: bool = False):
-        self.model_dir = resolve_model_dir(model)
-        hf_config = load_config(self.model_dir)
+        if isinstance(model, dict):  # a config.json as a dict: random weights, token-id prompts only
+            self.model_dir, hf_config = None, model
+        else:
+            self.model_dir = resolve_model_dir(model)
+            hf_config = load_config(self.model_dir)
         self.model_config = config = ModelConfig.from_hf(hf_config)
         self.model_name = _model_name(model, self.model_dir)
 
@@ -102,9 +105,13 @@ class LLMEngine:
         self.kv_cache_dtype = self.dtype if kv_cache_dtype == "auto" else _KV_DTYPES[kv_cache_dtype]
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.tokenizer = Tokenizer.from_directory(self.model_dir)
-
-        model_obj = build_model(config, load_state_dict(self.model_dir), self.dtype, self.device, max_model_len)
+        if self.model_dir is None:
+            self.tokenizer = TokenIdsOnly(hf_config)
+            weights = random_state_dict(config, self.dtype, self.device, seed=seed)
+        else:
+            self.tokenizer = Tokenizer.from_directory(self.model_dir)
+            weights = load_state_dict(self.model_dir)
+        model_obj = build_model(config, weights, self.dtype, self.device, max_model_len)
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = self._default_num_blocks(model_obj, blocks_per_seq, max_num_seqs,
@@ -245,7 +252,7 @@ class LLMEngine:
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             self._finish(seq, "stop", None, token_text=False)
             return
-        delta = seq.detokenizer.add([token])
+        delta = seq.detokenizer.add([token]) if params.detokenize else ""
         seq.text += delta
         if delta and params.stop_strings and self._check_stop_strings(seq, len(delta)):
             return
@@ -271,7 +278,7 @@ class LLMEngine:
         return True
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, token_text: bool = False) -> None:
-        if token_text:
+        if token_text and seq.params.detokenize:
             seq.text += seq.detokenizer.add([seq.token_ids[-1]])
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
@@ -316,8 +323,32 @@ class LLMEngine:
         }
 
 
-def _model_name(model, model_dir: Path) -> str:
+class TokenIdsOnly:
+    """The tokenizer of a random-weight model: prompts are token ids and nothing is detokenised."""
+
+    chat_template_source = None
+    all_special_ids: set[int] = set()
+
+    def __init__(self, hf_config: dict):
+        eos = hf_config.get("eos_token_id")
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.bos_token_id = hf_config.get("bos_token_id")
+        self.vocab_size = int(hf_config["vocab_size"])
+
+    def encode(self, text, add_special_tokens=True):
+        raise TypeError("a random-weight model has no tokenizer: pass prompts as token ids")
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        raise TypeError("a random-weight model has no chat template")
+
+
+def _model_name(model, model_dir: Path | None) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
+    if isinstance(model, dict):
+        return f"random-{model.get('model_type', 'model')}"
     path = Path(model)
     return path.stem if path.suffix.lower() == ".gguf" else path.name

@@ -247,8 +247,6 @@ class ModelRunner:
         else:
             from kernel_lab import ops
 
-            if not hasattr(ops, "sample"):
-                raise NotImplementedError("sampling with temperature > 0 needs kernel_lab.ops.sample (project 06)")
             tokens = ops.sample(
                 logits,
                 self._to_device("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
@@ -266,7 +264,10 @@ class ModelRunner:
         chosen = logprobs.gather(1, tokens[:, None])                                    # [S, 1]
         ranks = (logprobs > chosen).sum(dim=1) + 1
         k = max(w or 0 for w in want)
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        if k:
+            from kernel_lab import ops
+
+            top_vals, top_ids = ops.topk(logprobs, k)
         # One host read for everything.
         tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist()
         top_vals_l = top_vals.tolist() if k else None

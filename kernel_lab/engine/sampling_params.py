@@ -24,7 +24,8 @@ class SamplingParams:
     - stop_token_ids: token ids that end it (kept in token_ids, as vLLM does).
     - ignore_eos: keep going past the model's EOS tokens.
     - logprobs: return the log-probabilities of this many most likely tokens (and of the sampled one) at
-      every step; the values come from the model's raw logits (before temperature, top-k and top-p)."""
+      every step; the values come from the model's raw logits (before temperature, top-k and top-p).
+    - detokenize: produce text (off: token ids only, as vLLM's detokenize=False; stop strings need it)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -38,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -60,6 +62,8 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = stop
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")

@@ -251,11 +251,15 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 
 
 def random_state_dict(config: ModelConfig, dtype=torch.float32, device="cpu", seed: int = 0):
-    """Random weights for a config (benchmarks of model shapes without a checkpoint). Norm weights are 1
-    and projections are scaled by 1/sqrt(fan_in), so activations stay in range through many layers."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = {}
+    """Random weights for a config (benchmarks of real model shapes without a checkpoint), generated on
+    `device`. Norm weights are 1 and projections are scaled by 1/sqrt(fan_in), so activations keep their
+    scale through many layers."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     h, d = config.hidden_size, config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -268,19 +272,15 @@ def random_state_dict(config: ModelConfig, dtype=torch.float32, device="cpu", se
             p + "mlp.down_proj.weight": (h, config.intermediate_size),
         })
         if config.qkv_bias:
-            for name, rows in (("q", config.num_heads * d), ("k", config.num_kv_heads * d),
-                               ("v", config.num_kv_heads * d)):
-                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
-    shapes["model.embed_tokens.weight"] = (config.vocab_size, h)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+            for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
+                shapes[p + f"self_attn.{name}_proj.bias"] = (heads * d,)
     state = {}
     for name, shape in shapes.items():
-        fan_in = shape[-1] if len(shape) == 2 else 1
-        t = torch.randn(shape, generator=g) * (fan_in ** -0.5 if "embed" not in name else 1.0)
-        state[name] = t.to(device=device, dtype=dtype)
-    for i in range(config.num_layers):
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            state[f"model.layers.{i}.{n}.weight"] = torch.ones(h, dtype=dtype, device=device)
-    state["model.norm.weight"] = torch.ones(h, dtype=dtype, device=device)
+        scale = 1.0 if "embed" in name else (shape[-1] ** -0.5 if len(shape) == 2 else 0.02)
+        t = torch.empty(shape, dtype=dtype, device=device)
+        state[name] = t.normal_(0.0, scale, generator=g)
+    ones = {"model.norm.weight"} | {f"model.layers.{i}.{n}.weight" for i in range(config.num_layers)
+                                    for n in ("input_layernorm", "post_attention_layernorm")}
+    for name in ones:
+        state[name] = torch.ones(h, dtype=dtype, device=device)
     return state
