@@ -302,8 +302,9 @@ def _merge_kernel(in_cand_ptr, in_count_ptr, n_in, out_cand_ptr, out_count_ptr, 
 @triton.jit
 def _topk_finish_kernel(cand_ptr, count_ptr, x_ptr, x_row_stride, values_ptr, indices_ptr, k,
                         KP: tl.constexpr, RANK_CHUNK: tl.constexpr):
-    """Order the k survivors of a row by counting: an element's rank is the number of larger keys, and it
-    is stored straight to that position (keys are unique, so the ranks are a permutation of 0..k-1)."""
+    """Order a row's survivors (a prefix of its ranking, at least k long) by counting: an element's rank is
+    the number of larger keys (keys are unique, so ranks are distinct), and ranks below k are stored straight
+    to that position."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, KP)
     count = tl.load(count_ptr + row)
