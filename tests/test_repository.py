@@ -74,7 +74,8 @@ def test_profilers_explain_themselves_without_a_gpu(script):
 def test_gpu_suite_script_is_valid_bash_and_uses_plain_python3():
     text = (ROOT / "tools/gpu_suite.sh").read_text()
     assert subprocess.run(["bash", "-n", "tools/gpu_suite.sh"], cwd=ROOT).returncode == 0
-    assert "make install" not in text and "PYTHONPATH" in text
+    assert not re.search(r"^\s*make\b", text, re.M), "the GPU machine cannot install: no make targets"
+    assert "PYTHONPATH" in text and "python3" in text
 
 
 def test_paths_and_make_targets_quoted_in_docs_exist():
