@@ -75,8 +75,10 @@ def plot(records: list[dict], out_dir: Path, workload: str | None = None) -> lis
     import matplotlib.pyplot as plt
 
     chosen, key = _select(records, workload)
-    device = chosen[0]["device"]
+    loads = [v for r in chosen for v in (r.get("host_load_avg_1m") or {}).values()]
+    device = chosen[0]["device"] + (f"; host load average {min(loads):.1f} to {max(loads):.1f}" if loads else "")
     groups = _by_server(chosen)
+    levels = sorted({r["max_concurrency"] for r in chosen})
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -87,6 +89,7 @@ def plot(records: list[dict], out_dir: Path, workload: str | None = None) -> lis
         axes[1].plot(xs, [r["metrics"]["request_throughput"] for r in rs], marker="o", label=label)
     for ax, ylabel in zip(axes, ("output tokens/s", "requests/s"), strict=True):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(level) for level in levels])
         ax.set_xlabel("max concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -114,6 +117,7 @@ def plot(records: list[dict], out_dir: Path, workload: str | None = None) -> lis
                     label=f"{label} {stat}",
                 )
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(level) for level in levels])
         ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("max concurrency")
