@@ -120,8 +120,10 @@ class RequestStream:
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
+        while not self.queue.empty() and isinstance(item, RequestSnapshot):
             item = self.queue.get_nowait()  # cumulative snapshots: only the newest matters
+        if item is _CLOSED:
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.done = True
             raise item
@@ -130,10 +132,15 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Abort the request unless it already finished. Safe to call more than once."""
+        """Abort the request unless it already finished, and wake a consumer still waiting on the stream
+        (it then ends). Safe to call more than once."""
         if not self.done:
             self.done = True
             self._engine._abort(self.request_id)
+            self.queue.put_nowait(_CLOSED)
+
+
+_CLOSED = object()  # queued by RequestStream.close() so a waiting consumer stops
 
 
 class AsyncEngine:

@@ -439,13 +439,13 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- collection
     @staticmethod
-    async def _watch_disconnect(raw: Request, jobs: list[_Job]) -> None:
+    async def _watch_disconnect(raw: Request, jobs: list[_Job]) -> bool:
         while True:
             message = await raw.receive()
             if message["type"] == "http.disconnect":
                 for job in jobs:
                     job.stream.close()
-                return
+                return True
 
     async def _collect(self, raw: Request, jobs: list[_Job]) -> None:
         async def drain(job: _Job) -> None:
@@ -458,9 +458,13 @@ class OpenAIServer:
         except Exception as exc:
             raise _engine_error(exc) from exc
         finally:
+            gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None and watcher.result()
             watcher.cancel()
             for job in jobs:
                 job.stream.close()
+        if gone or any(job.last is None or not job.last.finished for job in jobs):
+            # nginx's "client closed request": nobody reads it, but the handler ends now
+            raise APIError(499, "the client disconnected before the completion finished", code="client_closed")
 
     @staticmethod
     async def _merged(jobs: list[_Job]):

@@ -222,6 +222,12 @@ def test_non_stream_disconnect_aborts(fake_server):
         )
     server.wait_idle(10)
     assert server.engine.aborted and server.engine.free_blocks == server.engine.num_kv_blocks
+    # and the handler itself ended (it is not left waiting on a stream that will never speak again)
+    tasks = server.background.server.server_state.tasks
+    deadline = time.monotonic() + 10
+    while tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not tasks
 
 
 # ----------------------------------------------------------------------------- errors

@@ -16,6 +16,7 @@ import random
 import time
 
 import openai
+import pytest
 
 NUM_CLIENTS = 256
 DISCONNECT_SHARE = 0.15
@@ -83,6 +84,7 @@ async def _client(aclient: openai.AsyncOpenAI, model: str, plan: dict) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_256_concurrent_streaming_clients(live_server, read_metrics):
     model = live_server.client().models.list().data[0].id
     before = read_metrics(live_server.url)
