@@ -75,6 +75,8 @@ def runs(model_dir, tmp_path_factory):
             "VLLM_CPU_OMP_THREADS_BIND": slot,
             "VLLM_CACHE_ROOT": str(work / f"{name}.vllm_cache"),  # no compiled artifact from another run
             "TRITON_INTERPRET": "1" if config.get("interpret") else "0",
+            "VLLM_NO_USAGE_STATS": "1",  # CI has no network; nothing to report anyway
+            "HF_HUB_OFFLINE": "1",  # a local directory: never ask the Hub
         })
         if config["plugin"]:
             env.pop("VLLM_PLUGINS", None)  # vLLM's default: load every installed general plugin
