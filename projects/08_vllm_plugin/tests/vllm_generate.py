@@ -90,8 +90,9 @@ def main(spec_path: str, out_path: str) -> None:
     # The engine loads the plugin itself (after configuring logging); the probes only need the classes.
     counts = install_probes(spec["plugin"])
 
+    # A small token budget: the prompts are short, and compiled mode warms up with a batch of that size.
     kwargs = dict(model=spec["model"], dtype="float32", kv_cache_memory_bytes=1 << 30, max_model_len=512,
-                  max_num_seqs=8, seed=0)
+                  max_num_batched_tokens=512, max_num_seqs=8, seed=0)
     if spec["mode"] == "eager":
         kwargs["enforce_eager"] = True
     if spec.get("custom_ops") is not None:
