@@ -1,0 +1,47 @@
+"""`kernel-lab generate`, `demo` and `bench throughput`, run in-process on the bundled model (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kernel_lab.cli import main
+from kernel_lab.engine.testing import one_intra_op_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    with one_intra_op_thread():
+        yield
+
+
+def test_generate_streams_text(reference_only, capsys):
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "8", "--device", "cpu",
+                 "--max-model-len", "256"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert re.search(r"\[\d+ tokens; first token [\d.]+ s after the request", err), err
+
+
+def test_demo_runs_several_chats_and_reports_throughput(reference_only, capsys):
+    assert main(["demo", "--num-prompts", "3", "--max-tokens", "6", "--device", "cpu",
+                 "--max-model-len", "256"]) == 0
+    out, _ = capsys.readouterr()
+    assert "3 chats at once" in out and "output tok/s" in out
+    assert out.count("[0]") >= 1 and "[2]" in out
+
+
+def test_bench_throughput_writes_json(reference_only, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--num-prompts", "3", "--input-len", "12", "--output-len", "5",
+                 "--max-num-seqs", "2", "--dtype", "float32", "--device", "cpu", "--dataset-name", "random",
+                 "--range-ratio", "0.5", "--output-json", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "requests/s" in out and "output tokens/s" in out
+    summary = json.loads(path.read_text())
+    assert summary["num_requests"] == 3 and summary["backend"] == "kernel-lab"
+    assert summary["total_output_tokens"] == summary["engine_stats"]["num_generated_tokens"] - 4  # minus warm-up
+    for key in ("requests_per_second", "tokens_per_second", "output_tokens_per_second", "elapsed_time", "env"):
+        assert key in summary
