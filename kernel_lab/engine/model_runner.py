@@ -217,6 +217,7 @@ class ModelRunner:
             logits = self._static_forward(size)
         return logits[:n]
 
+    @torch.inference_mode()
     def _capture_graphs(self) -> None:
         pool = None
         for size in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its memory pool

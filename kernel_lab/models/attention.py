@@ -66,7 +66,8 @@ def _causal_prefill(q, k, v, num_cached: int, scale: float) -> torch.Tensor:
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    # [1, H, len, D]: the 4-D form every SDPA backend (flash, memory-efficient, math) accepts
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if num_cached == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
@@ -74,7 +75,7 @@ def _causal_prefill(q, k, v, num_cached: int, scale: float) -> torch.Tensor:
         key_pos = torch.arange(num_cached + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,

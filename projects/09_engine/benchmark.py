@@ -140,6 +140,7 @@ def main(argv=None) -> int:
             bench_model(name, config, concurrencies, record, device, input_len=128, output_len=128)
     else:
         print("CPU: a toy random model, functional only (not a measurement of the engine on a GPU)")
+        torch.set_num_threads(1)  # a shared CPU: spinning OpenMP threads make a 2-core run erratic
         bench_model("toy-2-layer (CPU)", TOY, (1, 4), record, device, input_len=32, output_len=16)
     print(record.table())
     path = record.write(args.out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,14 +25,13 @@ from kernel_lab.harness.bench import Timing  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 
 
-def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path) -> dict:
+def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
+          threads: int) -> dict:
     cmd = [sys.executable, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
            "--dataset-name", "fixed", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",
            "--device", "cpu", "--output-json", str(out)]
-    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    import os
-
+    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
     return json.loads(out.read_text())
 
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
                         help="prompts at concurrency 1 (each runs alone, so fewer keep the run short)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of both backends (1 keeps a shared 2-core machine predictable)")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
     raw = Path(args.out) / "09_engine" / "raw"
@@ -58,12 +60,14 @@ def main(argv=None) -> int:
                           description=f"bundled SmolLM2-135M-Instruct, fp32, {args.input_len} prompt + "
                                       f"{args.output_len} output tokens per request (random ids, greedy, EOS "
                                       "ignored); transformers: batched generate in groups of `concurrency`, "
-                                      "left-padded")
+                                      f"left-padded; {args.threads} intra-op thread(s) for both")
     ratios = {}
     for c in args.concurrency:
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
-        ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / f"kernel-lab-c{c}.json")
-        theirs = bench("transformers", c, n, args.input_len, args.output_len, raw / f"transformers-c{c}.json")
+        ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / f"kernel-lab-c{c}.json",
+                     args.threads)
+        theirs = bench("transformers", c, n, args.input_len, args.output_len, raw / f"transformers-c{c}.json",
+                       args.threads)
         ratios[c] = ours["output_tokens_per_second"] / theirs["output_tokens_per_second"]
         record.add_case(
             f"output tok/s, concurrency {c}", shape={"concurrency": c, "num_prompts": n,
