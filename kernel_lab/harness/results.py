@@ -175,6 +175,15 @@ class ResultRecord:
         lines += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
         return "\n".join(lines)
 
+    def emit(self, out_dir: str | Path | None) -> Path | None:
+        """Print the table, then validate and write the record (when out_dir is given)."""
+        print(self.table())
+        print()
+        path = self.write(out_dir)
+        if path:
+            print(f"wrote {path}")
+        return path
+
     def write(self, out_dir: str | Path | None) -> Path | None:
         validate(self.record)
         if out_dir is None:

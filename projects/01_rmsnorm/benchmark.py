@@ -104,11 +104,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                      nbytes=2 * rows * H * 2 + H * 2, baselines=base)
 
     for rec in (bw, lat):
-        print(rec.table())
-        print()
-        path = rec.write(out)
-        if path:
-            print(f"wrote {path}")
+        rec.emit(out)
     return [bw, lat]
 
 

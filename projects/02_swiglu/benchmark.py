@@ -101,10 +101,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
             f"silu_and_mul bf16, tokens*d >= 32M: worst case {worst['percent_of_ceiling']:.1f}% of measured "
             f"copy bandwidth ({worst['name']})", percent_of_ceiling=worst["percent_of_ceiling"],
             speedup=min(c["speedup"].get("torch.compile", 0.0) for c in large), baseline="torch.compile")
-    print(rec.table())
-    path = rec.write(out)
-    if path:
-        print(f"wrote {path}")
+    rec.emit(out)
     return rec
 
 

@@ -164,10 +164,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
             f"batch x context >= 64 x 2K or batch 1 at 32K: worst {worst['percent_of_ceiling']:.1f}% of copy "
             f"bandwidth ({worst['name']}); mean " + ", ".join(f"{k} {v:.1f}%" for k, v in means.items()),
             percent_of_ceiling=worst["percent_of_ceiling"])
-    print(record.table())
-    path = record.write(out)
-    if path:
-        print(f"wrote {path}")
+    record.emit(out)
     return record
 
 

@@ -115,10 +115,7 @@ def run(device: torch.device, quick: bool, out: str | None) -> ResultRecord:
             f"context >= 8K: fp8 decode {worst['speedup']['fp16 paged decode']:.2f}x fp16 in the worst case "
             f"({worst['name']}); storage saved at block 16 / head_dim 128: {saved['bs16_hd128']}%",
             speedup=worst["speedup"]["fp16 paged decode"], baseline="fp16 paged decode")
-    print(record.table())
-    path = record.write(out)
-    if path:
-        print(f"wrote {path}")
+    record.emit(out)
     return record
 
 

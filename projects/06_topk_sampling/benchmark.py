@@ -149,11 +149,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
             baseline="torch")
     records = [sampling] + ([top] if top.record["cases"] else [])
     for rec in records:
-        print(rec.table())
-        print()
-        path = rec.write(out)
-        if path:
-            print(f"wrote {path}")
+        rec.emit(out)
     return records
 
 

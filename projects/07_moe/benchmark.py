@@ -179,11 +179,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                          f"measured {worst['ceiling']} ceiling",
                          percent_of_ceiling=worst["percent_of_ceiling"],
                          speedup=min(c["speedup"]["per-expert loop"] for c in cases), baseline="per-expert loop")
-        print(rec.table())
-        print()
-        path = rec.write(out)
-        if path:
-            print(f"wrote {path}")
+        rec.emit(out)
         records.append(rec)
     print(f"correctness vs the per-expert loop: {passed}/{checked}")
     return records
