@@ -148,18 +148,27 @@ class ModelRunner:
             # Staging buffers are about to be refilled: their previous copies must have left. Free when the
             # previous step read its sampled tokens (which synchronised); only prefill-only steps wait here.
             self._copies_done.synchronize()
-        self.reset_fresh_blocks(fresh_blocks)
-        decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs = \
-            self._prepare(items)
-        if self.static_decode and not chunk_specs and len(decodes) <= self.max_num_seqs:
-            logits = self._run_static_decode(decodes, input_ids, positions, slots)
-        else:
-            logits = self._run_eager(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows)
+        logits, sample_seqs = self.run_model(items, fresh_blocks)
         results = self._sample(logits, sample_seqs)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
         return results
+
+    @torch.inference_mode()
+    def run_model(self, items: list[tuple[Sequence, int]], fresh_blocks: list[int]):
+        """The device part of a step, with no host synchronisation: (logits of the sequences that will
+        sample, those sequences)."""
+        self.reset_fresh_blocks(fresh_blocks)
+        decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs = \
+            self._prepare(items)
+        if self.static_decode and not chunk_specs and len(decodes) <= self.max_num_seqs:
+            logits = self._run_static_decode(decodes, input_ids, positions, slots)
+            if len(sample_rows) != len(decodes):  # some rows were one-token chunks of a prompt
+                logits = logits[self._to_device("rows", sample_rows, torch.int64)]
+        else:
+            logits = self._run_eager(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows)
+        return logits, sample_seqs
 
     def _run_eager(self, decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows):
         meta = AttentionMetadata(slot_mapping=self._to_device("slots", slots, torch.int64),

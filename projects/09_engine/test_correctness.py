@@ -162,6 +162,27 @@ def test_outputs_decode_to_their_text(reference_only, engine_run, engine):
         assert out.text == engine.tokenizer.decode(out.token_ids)
 
 
+def test_one_token_budget_steps_match(reference_only, engine_run):
+    """A token budget of 2 with 2 sequences: every step is one decode token plus a one-token prompt chunk,
+    so the padded static decode path (the CUDA-graph layout) carries rows that must not sample."""
+    final, _ = engine_run
+    tiny = LLMEngine(None, **{**ENGINE_KWARGS, "max_num_seqs": 2, "max_num_batched_tokens": 2,
+                               "num_kv_blocks": 40}, pad_decode_batches=True)
+    prepare, seen = tiny.runner._prepare, []
+
+    def recording_prepare(items):
+        prepared = prepare(items)
+        decodes, chunk_specs, sample_rows = prepared[0], prepared[4], prepared[6]
+        seen.append(not chunk_specs and len(sample_rows) < len(decodes))
+        return prepared
+
+    tiny.runner._prepare = recording_prepare
+    outs = LLM.from_engine(tiny).generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert any(seen), "no static step carried a non-sampling row"
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == final[f"p{i}"].outputs[0].token_ids[:8]
+
+
 # ------------------------------------------------------------------------------------------------ tokenizer
 TEXTS = [
     "Hello world", "The capital of France is", "12345 apples cost $3.50, or 1,000,000 yen",
