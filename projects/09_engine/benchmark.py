@@ -142,10 +142,7 @@ def main(argv=None) -> int:
         print("CPU: a toy random model, functional only (not a measurement of the engine on a GPU)")
         torch.set_num_threads(1)  # a shared CPU: spinning OpenMP threads make a 2-core run erratic
         bench_model("toy-2-layer (CPU)", TOY, (1, 4), record, device, input_len=32, output_len=16)
-    print(record.table())
-    path = record.write(args.out)
-    if path:
-        print(f"wrote {path}")
+    record.emit(args.out)
     return 0
 
 

@@ -81,8 +81,7 @@ def main(argv=None) -> int:
               f"{theirs['output_tokens_per_second']:.1f} output tok/s ({ratios[c]:.2f}x)")
     record.set_headline("output tok/s vs transformers generate: " +
                         ", ".join(f"{r:.2f}x at concurrency {c}" for c, r in ratios.items()))
-    print(record.table())
-    print(f"wrote {record.write(args.out)}")
+    record.emit(args.out)
     return 0
 
 
