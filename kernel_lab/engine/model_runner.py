@@ -23,6 +23,8 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.llama import ModelConfig
+from kernel_lab.ops.kv_cache import check_slot_values
+from kernel_lab.ops.paged_attention import check_table_values
 
 from .sequence import Sequence
 
@@ -182,9 +184,19 @@ class ModelRunner:
             for start, end, num_cached, offset in chunk_specs:
                 prefix = all_prefix[offset:offset + num_cached] if num_cached else None
                 meta.prefills.append(PrefillChunk(start, end, num_cached, prefix))
+        self._check_step_inputs(meta)
         hidden = self.model(self._to_device("ids", input_ids, torch.int64),
                             self._to_device("positions", positions, torch.int64), self.layer_caches, meta)
         return self.model.compute_logits(hidden[self._to_device("rows", sample_rows, torch.int64)])
+
+    def _check_step_inputs(self, meta: AttentionMetadata) -> None:
+        """Slot and block-table values, checked once per step so the layers' kernels skip it. Host-side
+        reads: free on CPU; on CUDA they would synchronise, and the tables come from the block manager."""
+        if self.device.type == "cuda":
+            return
+        check_slot_values(meta.slot_mapping, self.num_blocks, self.block_size)
+        if meta.num_decode_tokens:
+            check_table_values(meta.decode_block_tables, meta.decode_seq_lens, self.num_blocks, self.block_size)
 
     # ------------------------------------------------------------------------------------------- static decode
     def _allocate_static_buffers(self) -> None:
@@ -219,6 +231,7 @@ class ModelRunner:
         self.static_slots[:size].copy_(self._to_device("slots", slots + [-1] * pad, torch.int64), non_blocking=True)
         self.static_lens[:size].copy_(self._to_device("lens", lens + [0] * pad, torch.int32), non_blocking=True)
         self.static_tables[:n].copy_(self._to_device("tables", tables, torch.int32), non_blocking=True)
+        self._check_step_inputs(self._static_meta(size))
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

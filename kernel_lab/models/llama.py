@@ -119,14 +119,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (computed in fp32, returned in q's dtype)."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of the batch's positions: looked up once per forward, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> a rotated copy (computed in fp32, returned in x's dtype)."""
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -154,7 +153,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(weights["mlp.down_proj.weight"])
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, positions, hidden, residual, rotary: RotaryEmbedding, cache: LayerKVCache,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, residual, cache: LayerKVCache,
                 meta: AttentionMetadata):
         eps = self.config.rms_norm_eps
         if residual is None:
@@ -165,7 +164,7 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         tokens, d = hidden.shape[0], self.config.head_dim
-        q, k = rotary(positions, q.view(tokens, -1, d), k.view(tokens, -1, d))
+        q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
         attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)
         hidden = F.linear(attn.view(tokens, -1), self.o_proj)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
@@ -206,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] (normalised) for the flat batch."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
+        rope = self.rotary(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, self.rotary, cache, meta)
+            hidden, residual = layer(rope, hidden, residual, cache, meta)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         return hidden
 

@@ -221,10 +221,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Store key/value `[tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping` (in place).
 
     FP8 caches quantise on write with the page-scale policy of this module's docstring and update
-    `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA; always on for CPU) checks
-    slot values on the host, which synchronises, so never set it inside a CUDA graph."""
+    `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA) checks slot values on the
+    host, which synchronises, so never set it inside a CUDA graph; a caller that checked the slots once per
+    step (the engine) passes False."""
     num_blocks, block_size = _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if not key.is_cuda or validate:
+    if validate or (validate is None and not key.is_cuda):
         if key.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("write_kv(validate=True) reads device memory and cannot run inside "
                                "CUDA graph capture")

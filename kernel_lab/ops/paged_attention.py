@@ -17,8 +17,9 @@ Contract
   zero output row (padding rows of a captured CUDA graph).
 - `scale` defaults to `head_dim ** -0.5`. The output has q's dtype and shape; `out=` may be given.
 - `validate`: host-side value checks (seq_lens within the block table, used block ids inside the pool),
-  raising ValueError. Always on for CPU tensors; default off for CUDA since it synchronises, and refused
-  during CUDA graph capture.
+  raising ValueError. Default (None): on for CPU tensors, off for CUDA since it synchronises; refused
+  during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
+  layers) passes False.
 
 Dispatch: CPU tensors run `paged_decode_attention_reference` (materialising, float32 softmax; q and caches
 may be fp16, bf16 or fp32). CUDA tensors run the CUDA C++ kernel in `kernel_lab/csrc/paged_attention.cu`,
@@ -38,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .common import FLOAT_DTYPES, HALF_DTYPES, check_out, check_same_device, check_tensor
 from .kv_cache import FP8_DTYPE, check_cache_pair
@@ -54,33 +56,40 @@ CTAS_PER_SM_TARGET = 2      # split until the grid has about this many CTAs per 
 # --------------------------------------------------------------------------------------------- reference
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
                                      k_scale=None, v_scale=None) -> torch.Tensor:
-    """Materialising reference: gather every sequence's K/V, then float32 softmax attention."""
+    """Materialising reference: gather each sequence's pages, then float32 attention (SDPA, masked).
+
+    Also the CPU path of the engine, so it avoids per-token indexing: whole pages are gathered with one
+    `index_select`, and the query heads of one KV head form the "query length" of a plain SDPA call.
+    """
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else float(scale)
     lens = seq_lens.long()
     max_len = int(lens.max()) if batch else 0
-    out = torch.zeros((batch, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
-    if max_len > 0:
-        pos = torch.arange(max_len, device=q.device)
-        valid = pos[None, :] < lens[:, None]                                            # [B, T]
-        blocks = torch.where(valid, block_tables.long()[:, pos // block_size], 0)       # [B, T]
-        offsets = (pos % block_size).expand(batch, -1)
-        k = k_cache[blocks, offsets].float()                                            # [B, T, Hkv, D]
-        v = v_cache[blocks, offsets].float()
-        if k_cache.dtype == FP8_DTYPE:
-            k = k * k_scale[blocks][..., None]
-            v = v * v_scale[blocks][..., None]
-        # Masked positions read block 0, whose bytes may be anything (even NaN): zero them, not just mask.
-        keep = valid[:, :, None, None]
-        k = torch.where(keep, k, torch.zeros_like(k))
-        v = torch.where(keep, v, torch.zeros_like(v))
-        qg = q.float().view(batch, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                           # len 0 -> zeros
-        out = torch.einsum("bhgt,bthd->bhgd", probs, v)
+    if max_len == 0:
+        return torch.zeros_like(q)
+    num_pages = -(-max_len // block_size)
+    tokens = num_pages * block_size
+    # Table entries past a sequence's last page may be padding (e.g. -1): read page 0 there instead.
+    used = torch.arange(num_pages, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    pages = torch.where(used, block_tables[:, :num_pages].long(), 0).flatten()                 # [B * P]
+    k = k_cache.index_select(0, pages).float()                                    # [B * P, bs, Hkv, D], a copy
+    v = v_cache.index_select(0, pages).float()
+    if k_cache.dtype == FP8_DTYPE:
+        k.mul_(k_scale[pages][:, None, :, None])
+        v.mul_(v_scale[pages][:, None, :, None])
+    valid = torch.arange(tokens, device=q.device)[None, :] < lens[:, None]                    # [B, T]
+    # Slots past a sequence's length hold anything (stale, never written, even NaN). Masking the score
+    # is not enough, since a zero probability times NaN is NaN: zero those rows of the copies.
+    stale = (~valid).flatten().nonzero().squeeze(1)
+    k = k.view(batch * tokens, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
+    v = v.view(batch * tokens, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
+    k = k.view(batch, tokens, num_kv_heads, head_dim).transpose(1, 2)                        # [B, Hkv, T, D]
+    v = v.view(batch, tokens, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)                  # length 0 -> a zero row
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
@@ -265,7 +274,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode attention of one query token per sequence over its paged KV cache (see module docstring)."""
     num_blocks, block_size = _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                                        out)
-    if not q.is_cuda or validate:
+    if validate or (validate is None and not q.is_cuda):
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("paged_decode_attention(validate=True) reads device memory and cannot run "
                                "inside CUDA graph capture")

@@ -1,12 +1,14 @@
-"""CPU throughput of the engine against transformers' batched `generate`, on the same workload.
+"""CPU throughput of the engine against transformers' batched `generate` and vLLM CPU, on the same workload.
 
     python projects/09_engine/cpu_throughput.py [--concurrency 1 8 32] [--num-prompts 32] [--out results]
 
-For each concurrency it runs `kernel-lab bench throughput` twice in fresh processes, once per backend,
-on the same fixed-length workload (random token ids, greedy, EOS ignored, fp32), and keeps both raw
-JSON outputs under <out>/09_engine/raw/. It then writes one result record with a case per concurrency:
-our output tok/s, with transformers' wall time on the same workload as the baseline (so `speedup` is the
-throughput ratio). Long: minutes per point on a 2-core CPU, dominated by concurrency 1.
+For each concurrency it runs `kernel-lab bench throughput` in fresh processes, once per backend, on the
+same fixed-length workload (random token ids, greedy, EOS ignored, fp32), and keeps the raw JSON outputs
+under <out>/09_engine/raw/. vLLM runs with the Python of project 08's environment (`--vllm-python`,
+default .venv-vllm; skipped when it is absent), eager, one process, bound to as many cores as the others
+get threads. It then writes one result record with a case per concurrency: our output tok/s, with each
+baseline's wall time on the same workload (so `speedup` is the throughput ratio). Long: minutes per point
+on a 2-core CPU, dominated by concurrency 1.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ sys.path.insert(0, str(REPO))
 from kernel_lab.harness.bench import Timing  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 
+BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)"}
+
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
-          threads: int) -> dict:
-    cmd = [sys.executable, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
+          threads: int, python: str = sys.executable) -> dict:
+    cmd = [python, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
            "--dataset-name", "fixed", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",
            "--device", "cpu", "--output-json", str(out)]
-    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
+           # vLLM on CPU: one process, its OpenMP threads bound to the first `threads` cores, no reserved core
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1"}
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
     return json.loads(out.read_text())
 
@@ -52,35 +59,39 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads of both backends (1 keeps a shared 2-core machine predictable)")
+    parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
+                        help="a Python with vllm installed (project 08's environment); skipped if absent")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
     raw = Path(args.out) / "09_engine" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    record = ResultRecord("09_engine", "CPU throughput vs transformers generate", "cpu",
+    backends = ["transformers"] + (["vllm"] if Path(args.vllm_python).exists() else [])
+    record = ResultRecord("09_engine", "CPU throughput vs transformers generate and vLLM CPU", "cpu",
                           description=f"bundled SmolLM2-135M-Instruct, fp32, {args.input_len} prompt + "
                                       f"{args.output_len} output tokens per request (random ids, greedy, EOS "
                                       "ignored); transformers: batched generate in groups of `concurrency`, "
-                                      f"left-padded; {args.threads} intra-op thread(s) for both")
+                                      "left-padded; vLLM: vllm-cpu LLM.generate, eager, max_num_seqs = "
+                                      f"concurrency; {args.threads} intra-op thread(s) / core(s) for each")
     ratios = {}
     for c in args.concurrency:
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
+        shape = {"concurrency": c, "num_prompts": n, "input_len": args.input_len, "output_len": args.output_len}
         ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / f"kernel-lab-c{c}.json",
                      args.threads)
-        theirs = bench("transformers", c, n, args.input_len, args.output_len, raw / f"transformers-c{c}.json",
-                       args.threads)
-        ratios[c] = ours["output_tokens_per_second"] / theirs["output_tokens_per_second"]
+        theirs = {b: bench(b, c, n, args.input_len, args.output_len, raw / f"{b}-c{c}.json", args.threads,
+                           args.vllm_python if b == "vllm" else sys.executable) for b in backends}
+        ratios[c] = {b: ours["output_tokens_per_second"] / t["output_tokens_per_second"] for b, t in theirs.items()}
         record.add_case(
-            f"output tok/s, concurrency {c}", shape={"concurrency": c, "num_prompts": n,
-                                                     "input_len": args.input_len, "output_len": args.output_len},
-            dtype="float32", timing=_timing(ours), baselines={"transformers generate": _timing(theirs)},
+            f"output tok/s, concurrency {c}", shape=shape, dtype="float32", timing=_timing(ours),
+            baselines={BASELINES[b]: _timing(t) for b, t in theirs.items()},
             extra={"metric": {"unit": "tok/s", "value": ours["output_tokens_per_second"]},
-                   "transformers_output_tok_s": theirs["output_tokens_per_second"],
+                   "baseline_output_tok_s": {BASELINES[b]: t["output_tokens_per_second"] for b, t in theirs.items()},
                    "percent_of_ceiling": None, "ceiling": None},
         )
-        print(f"concurrency {c}: {ours['output_tokens_per_second']:.1f} vs "
-              f"{theirs['output_tokens_per_second']:.1f} output tok/s ({ratios[c]:.2f}x)")
-    record.set_headline("output tok/s vs transformers generate: " +
-                        ", ".join(f"{r:.2f}x at concurrency {c}" for c, r in ratios.items()))
+        print(f"concurrency {c}: kernel-lab {ours['output_tokens_per_second']:.1f} output tok/s; " +
+              "; ".join(f"{b} {t['output_tokens_per_second']:.1f} ({ratios[c][b]:.2f}x)" for b, t in theirs.items()))
+    record.set_headline("output tok/s, kernel-lab / baseline: " + "; ".join(
+        f"concurrency {c}: " + ", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) for c, rs in ratios.items()))
     record.emit(args.out)
     return 0
 
