@@ -347,6 +347,9 @@ def run_bench_throughput(args) -> int:
     elapsed = result["elapsed_time"]
     prompt_tokens = sum(len(p) for p, _ in workload)
     output_tokens = sum(n for _, n in workload)
+    if result["generated"] != output_tokens:  # EOS is ignored, so every request must make its full length
+        raise SystemExit(f"{args.backend} generated {result['generated']} tokens; the workload asks for "
+                         f"{output_tokens}")
     summary = {
         "backend": args.backend,
         "model": args.model or "SmolLM2-135M-Instruct (bundled)",

@@ -178,6 +178,21 @@ def compile_module(module: str, targets=TARGETS, only: str | None = None, out_di
     return results
 
 
+def check_no_spills(compiled: dict, max_registers: int = 255,
+                    targets: tuple[str, ...] | None = ("sm_80", "sm_89", "sm_90a")) -> set[str]:
+    """Assert that every kernel in `compile_module`'s result built without spills and within
+    `max_registers`, and (unless `targets` is None) that each kernel name built for every one of `targets`.
+    Returns the kernel names."""
+    names = {name for name, _ in compiled}
+    for (name, target), result in compiled.items():
+        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (name, target, result)
+        assert result["registers"] <= max_registers, (name, target, result["registers"])
+    for target in targets or ():
+        missing = names - {name for name, t in compiled if t == target}
+        assert not missing, (target, sorted(missing))
+    return names
+
+
 def nvcc_compile(sources: list[str | Path], capability: int, extra: list[str] | None = None,
                  out_dir: str | Path | None = None) -> dict:
     """Build CUDA C++ to a cubin for one target with `nvcc -Xptxas -v`; returns the ptxas report and SASS."""

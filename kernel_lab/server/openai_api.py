@@ -596,83 +596,24 @@ class OpenAIServer:
                         "stop_reason": seq.stop_reason,
                     }
                 )
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": self._usage(jobs),
-            }
-        )
+        return self._response(request_id, "text_completion", choices, jobs)
 
     def _prompt_text(self, job: _Job) -> str:
         if job.prompt_text is None:
             job.prompt_text = self.tokenizer.decode(job.prompt_ids, skip_special_tokens=True)
         return job.prompt_text
 
-    async def _stream_completion(self, body: CompletionRequest, jobs: list[_Job], request_id: str):
-        created = int(time.time())
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        options = body.stream_options or StreamOptions()
-        cursors: dict[tuple[int, int], _ChoiceCursor] = {}
+    def _stream_completion(self, body: CompletionRequest, jobs: list[_Job], request_id: str):
+        echoed = [{"index": job.prompt_index * body.n + i, "text": self._prompt_text(job), "logprobs": None,
+                   "finish_reason": None} for job in jobs for i in range(body.n)] if body.echo else []
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            payload = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if options.include_usage:
-                payload["usage"] = usage
-            return _sse_event(payload)
+        def choice(job, seq, delta, start, end, text_offset):
+            logprobs = None
+            if body.logprobs is not None and end > start:
+                logprobs = self._completion_logprobs(seq, start, end, text_offset, body.logprobs)
+            return {"index": job.prompt_index * body.n + seq.index, "text": delta, "logprobs": logprobs}
 
-        if body.echo:
-            for job in jobs:
-                for i in range(body.n):
-                    cursors[(job.prompt_index, i)] = _ChoiceCursor()
-                    yield chunk(
-                        [
-                            {
-                                "index": job.prompt_index * body.n + i,
-                                "text": self._prompt_text(job),
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-        async for job, snap in self._merged(jobs):
-            job.last = snap
-            choices = []
-            for seq in snap.outputs:
-                cursor = cursors.setdefault((job.prompt_index, seq.index), _ChoiceCursor())
-                if cursor.finished:
-                    continue
-                final = seq.finish_reason is not None
-                delta = cursor.advance(seq.text, final, stops)
-                start, end = cursor.sent_tokens, len(seq.token_ids)
-                if not delta and not final and end == start:
-                    continue
-                logprobs = None
-                if body.logprobs is not None and end > start:
-                    logprobs = self._completion_logprobs(seq, start, end, cursor.sent_chars - len(delta), body.logprobs)
-                cursor.sent_tokens, cursor.finished = end, final
-                choices.append(
-                    {
-                        "index": job.prompt_index * body.n + seq.index,
-                        "text": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": seq.finish_reason,
-                        "stop_reason": seq.stop_reason if final else None,
-                    }
-                )
-            if choices:
-                yield chunk(choices, self._usage(jobs) if options.continuous_usage_stats else None)
-        if options.include_usage:
-            yield chunk([], self._usage(jobs))
+        return self._stream(body, jobs, request_id, "text_completion", echoed, choice)
 
     # ---------------------------------------------------------------- routes: chat
     async def chat(self, body: ChatCompletionRequest, raw: Request):
@@ -713,52 +654,50 @@ class OpenAIServer:
             }
             for seq in jobs[0].last.outputs
         ]
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": self._usage(jobs),
-            }
-        )
+        return self._response(request_id, "chat.completion", choices, jobs)
 
-    async def _stream_chat(self, body: ChatCompletionRequest, jobs: list[_Job], request_id: str):
+    def _stream_chat(self, body: ChatCompletionRequest, jobs: list[_Job], request_id: str):
+        top = body.top_logprobs or 0
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(body.n)]
+
+        def choice(job, seq, delta, start, end, text_offset):
+            logprobs = None
+            if body.logprobs and end > start:
+                logprobs = {"content": self._chat_logprobs(seq, start, end, top)}
+            return {"index": seq.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs}
+
+        return self._stream(body, jobs, request_id, "chat.completion.chunk", roles, choice)
+
+    # ---------------------------------------------------------------- responses
+    def _response(self, request_id: str, obj: str, choices: list[dict], jobs: list[_Job]) -> JSONResponse:
+        return JSONResponse({"id": request_id, "object": obj, "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": self._usage(jobs)})
+
+    async def _stream(self, body, jobs: list[_Job], request_id: str, obj: str, first_choices: list[dict],
+                      make_choice):
+        """The SSE stream both routes share. One cursor per (prompt, completion) holds back text that might
+        still become a stop string; `make_choice(job, seq, delta, start, end, text_offset)` shapes a choice
+        for its route (tokens [start, end) are new in this chunk), and the loop adds the finish fields."""
         created = int(time.time())
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         options = body.stream_options or StreamOptions()
-        top = body.top_logprobs or 0
-        cursors = [_ChoiceCursor() for _ in range(body.n)]
+        cursors: dict[tuple[int, int], _ChoiceCursor] = {}
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            payload = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
+            payload = {"id": request_id, "object": obj, "created": created, "model": self.model_name,
+                       "choices": choices}
             if options.include_usage:
                 payload["usage"] = usage
             return _sse_event(payload)
 
-        yield chunk(
-            [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(body.n)
-            ]
-        )
+        if first_choices:
+            yield chunk(first_choices)
         async for job, snap in self._merged(jobs):
             job.last = snap
             choices = []
             for seq in snap.outputs:
-                cursor = cursors[seq.index]
+                cursor = cursors.setdefault((job.prompt_index, seq.index), _ChoiceCursor())
                 if cursor.finished:
                     continue
                 final = seq.finish_reason is not None
@@ -766,19 +705,10 @@ class OpenAIServer:
                 start, end = cursor.sent_tokens, len(seq.token_ids)
                 if not delta and not final and end == start:
                     continue
-                logprobs = None
-                if body.logprobs and end > start:
-                    logprobs = {"content": self._chat_logprobs(seq, start, end, top)}
+                choice = make_choice(job, seq, delta, start, end, cursor.sent_chars - len(delta))
+                choice.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason if final else None)
+                choices.append(choice)
                 cursor.sent_tokens, cursor.finished = end, final
-                choices.append(
-                    {
-                        "index": seq.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": logprobs,
-                        "finish_reason": seq.finish_reason,
-                        "stop_reason": seq.stop_reason if final else None,
-                    }
-                )
             if choices:
                 yield chunk(choices, self._usage(jobs) if options.continuous_usage_stats else None)
         if options.include_usage:

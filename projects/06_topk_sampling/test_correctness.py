@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernel_lab.ops.sampling as sampling_mod
-from kernel_lab.harness.compile import TARGETS, compile_module
+from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import case_seed, randn
 from kernel_lab.ops import sample, topk
 from kernel_lab.ops.sampling import sample_plan, topk_plan
@@ -438,8 +438,7 @@ def test_compiles_for_every_target_without_spills(compiled):
     kernels = {"topk_tile_bf16", "sample_tile_bf16", "sample_finish_bf16", "merge_slot1024", "topk_finish_k1024"}
     for target in ("sm_80", "sm_89", "sm_90a"):
         assert kernels <= {name for name, t in compiled if t == target}, target
-    for (name, target), result in compiled.items():
-        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (name, target, result)
+    check_no_spills(compiled, targets=None)  # some variants build for one target only
 
 
 def test_sass_has_vector_loads_and_fast_exponentials(compiled):

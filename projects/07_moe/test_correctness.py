@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from kernel_lab.harness.compile import TARGETS, compile_module
+from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, case_seed, randn
 from kernel_lab.ops import moe
 from kernel_lab.ops.moe import CONFIGS, _launch, align, fp32_config, max_row_blocks, route
@@ -260,15 +260,11 @@ def compiled():
 
 
 def test_compiles_for_every_target_without_spills(compiled):
-    names = {name for name, _ in compiled}
+    names = check_no_spills(compiled)
     assert {n.split("_")[1] for n in names} == {"gate", "down", "combine"}
-    for target in ("sm_80", "sm_89", "sm_90a"):
-        for name in names:
-            result = compiled[(name, target)]
-            assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (name, target, result)
-            assert result["registers"] <= 255, (name, target)
-            if result["shared_bytes"] is not None and target != "sm_90a":
-                assert result["shared_bytes"] <= SM89_MAX_SHARED, (name, target, result["shared_bytes"])
+    for (name, target), result in compiled.items():
+        if result["shared_bytes"] is not None and target != "sm_90a":
+            assert result["shared_bytes"] <= SM89_MAX_SHARED, (name, target, result["shared_bytes"])
 
 
 def test_sass_uses_tensor_cores(compiled):
