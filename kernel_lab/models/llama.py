@@ -137,6 +137,16 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a weight that stacks several projections' rows (`sizes`). On CUDA one GEMM.
+    On CPU one GEMM per projection, concatenated: with few rows MKL's sgemm ran faster on the separate
+    shapes than on the stacked one in our decode-step profiles (projects/09_engine/README.md)."""
+    if x.is_cuda or x.shape[0] > 256:
+        return F.linear(x, weight, bias)
+    biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weight.split(sizes), biases, strict=True)], dim=-1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -161,14 +171,15 @@ class DecoderLayer(nn.Module):
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = fused_linear(hidden, self.qkv_proj, self.qkv_bias, [self.q_size, self.kv_size, self.kv_size])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         tokens, d = hidden.shape[0], self.config.head_dim
         q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
         attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)
         hidden = F.linear(attn.view(tokens, -1), self.o_proj)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
-        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        gate_up = fused_linear(hidden, self.gate_up_proj, None, [self.config.intermediate_size] * 2)
+        hidden = F.linear(ops.silu_and_mul(gate_up), self.down_proj)
         return hidden, residual
 
 
