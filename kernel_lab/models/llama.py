@@ -7,7 +7,8 @@
 
 The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
 place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
-q, k, v and gate, up are each one fused GEMM (vLLM's layout, which `silu_and_mul` expects: [gate | up]).
+q, k, v and gate, up each have one stacked weight (vLLM's layout; `silu_and_mul` expects [gate | up]): one
+GEMM on CUDA, one per projection on CPU (see `fused_linear`).
 Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM.
 """
 
