@@ -376,3 +376,22 @@ def test_fp8_kv_cache_runs_and_stays_close_to_fp32(reference_only, engine_run, e
     assert sum(a == 32 for a in agree) >= 2, agree
     assert bool((fp8.runner.kv_scales > 0).any())  # the decode steps really read scaled fp8 pages
     assert fp8.stats()["num_kv_blocks_free"] == fp8.stats()["num_kv_blocks_total"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_linear_matches_a_float64_reference(rows, with_bias):
+    """The CPU path splits a stacked weight into one GEMM per projection (rows <= 256); each output column
+    must still be its own projection's, bias included (Qwen2's q/k/v bias)."""
+    from kernel_lab.harness.testing import case_seed, randn
+    from kernel_lab.models.llama import fused_linear
+
+    sizes = [72, 24, 24]
+    seed = case_seed("fused_linear", rows, with_bias)
+    x = randn((rows, 40), torch.float32, "cpu", seed)
+    weight = randn((sum(sizes), 40), torch.float32, "cpu", seed + 1)
+    bias = randn((sum(sizes),), torch.float32, "cpu", seed + 2) if with_bias else None
+    expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    out = fused_linear(x, weight, bias, sizes)
+    assert out.shape == (rows, sum(sizes)) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
