@@ -7,8 +7,8 @@
 
 The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
 place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
-q, k, v and gate, up each have one stacked weight (vLLM's layout; `silu_and_mul` expects [gate | up]): one
-GEMM on CUDA, one per projection on CPU (see `fused_linear`).
+q, k, v and gate, up each have one stacked weight (vLLM's layout; `silu_and_mul` expects [gate | up]), so
+each is one GEMM (`Linear`: cuBLAS on CUDA; MKL or oneDNN's blocked layout on CPU).
 Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM.
 """
 
@@ -138,14 +138,41 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a weight that stacks several projections' rows (`sizes`). On CUDA one GEMM.
-    On CPU one GEMM per projection, concatenated: with few rows MKL's sgemm ran faster on the separate
-    shapes than on the stacked one in our decode-step profiles (projects/09_engine/README.md)."""
-    if x.is_cuda or x.shape[0] > 256:
-        return F.linear(x, weight, bias)
-    biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
-    return torch.cat([F.linear(x, w, b) for w, b in zip(weight.split(sizes), biases, strict=True)], dim=-1)
+def _onednn_blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered once into oneDNN's blocked layout, or None where that path does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_ROWS_HINT)
+    except (RuntimeError, AttributeError):  # a torch build without the op: F.linear everywhere
+        return None
+
+
+# The row count oneDNN's blocked layout is chosen for. A/B runs of the model's projection shapes gave about the
+# same speed for hints 2..32 at 2..512 rows; any hint >= 2 gives the blocked (not the row-major) layout.
+BLOCKED_ROWS_HINT = 8
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias), weight [out, in] (it may stack several projections' rows).
+
+    CUDA: F.linear. CPU, float32: a single row runs MKL's GEMV on the row-major weight; two or more rows run
+    oneDNN on a copy of the weight reordered once, at load, into oneDNN's blocked layout (vLLM's CPU
+    backend also prepacks with oneDNN). In A/B runs of the model's shapes on one core, the blocked copy was
+    faster from 2 rows up and slower for a single row, whose GEMV only streams the weight once
+    (projects/09_engine/README.md). The price is a second copy of each projection weight on CPU.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
+        self.bias = None if bias is None else _param(bias)
+        self.blocked = _onednn_blocked_weight(self.weight)   # not a buffer: an opaque oneDNN tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is None or x.shape[0] < 2:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, self.bias, "none", [], "")
 
 
 class DecoderLayer(nn.Module):
@@ -157,12 +184,12 @@ class DecoderLayer(nn.Module):
         self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.input_norm = _param(weights["input_layernorm.weight"])
         self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
-        self.qkv_proj = _param(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]))
-        self.qkv_bias = _param(torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])) \
-            if config.qkv_bias else None
-        self.o_proj = _param(weights["self_attn.o_proj.weight"])
-        self.gate_up_proj = _param(torch.cat([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
-        self.down_proj = _param(weights["mlp.down_proj.weight"])
+        self.qkv_proj = Linear(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]),
+                               torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
+                               if config.qkv_bias else None)
+        self.o_proj = Linear(weights["self_attn.o_proj.weight"])
+        self.gate_up_proj = Linear(torch.cat([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+        self.down_proj = Linear(weights["mlp.down_proj.weight"])
         self.scale = config.head_dim ** -0.5
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, residual, cache: LayerKVCache,
@@ -173,14 +200,13 @@ class DecoderLayer(nn.Module):
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
-        q, k, v = fused_linear(hidden, self.qkv_proj, self.qkv_bias, self.qkv_sizes).split(self.qkv_sizes, dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
         tokens, d = hidden.shape[0], self.config.head_dim
         q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
         attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)
-        hidden = F.linear(attn.view(tokens, -1), self.o_proj)
+        hidden = self.o_proj(attn.view(tokens, -1))
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
-        gate_up = fused_linear(hidden, self.gate_up_proj, None, [self.config.intermediate_size] * 2)
-        hidden = F.linear(ops.silu_and_mul(gate_up), self.down_proj)
+        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
         return hidden, residual
 
 
@@ -207,9 +233,9 @@ class LlamaForCausalLM(nn.Module):
             self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}))
         self.norm = _param(take("model.norm.weight"))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = self.embed_tokens
+            self.lm_head = Linear(self.embed_tokens)  # tied: the same parameter (plus its blocked copy on CPU)
         else:
-            self.lm_head = _param(take("lm_head.weight"))
+            self.lm_head = Linear(take("lm_head.weight"))
         self.rotary = RotaryEmbedding(config, max_positions, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
@@ -224,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

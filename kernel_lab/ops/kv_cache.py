@@ -202,14 +202,18 @@ def _write_fp8_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tens
 
 def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    key, value = key[valid], value[valid]
+    slots = slot_mapping
+    if bool((slot_mapping < 0).any()):  # padding rows (slot -1) write nothing; a mask only when there are some
+        valid = slot_mapping >= 0
+        slots, key, value = slot_mapping[valid], key[valid], value[valid]
     if k_cache.dtype != FP8_DTYPE:
-        k_cache[blocks, offsets] = key.to(k_cache.dtype)
-        v_cache[blocks, offsets] = value.to(v_cache.dtype)
+        for cache, rows in ((k_cache, key), (v_cache, value)):
+            try:  # [num_blocks * block_size, heads, dim]: one row copy per slot, the engine's CPU hot path
+                cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
+            except RuntimeError:  # a layout whose blocks and offsets do not merge into one dimension
+                cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
         return
+    blocks, offsets = slots // block_size, slots % block_size
     _write_fp8_reference(key, k_cache, k_scale, blocks, offsets)
     _write_fp8_reference(value, v_cache, v_scale, blocks, offsets)
 

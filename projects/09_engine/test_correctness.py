@@ -378,20 +378,32 @@ def test_fp8_kv_cache_runs_and_stays_close_to_fp32(reference_only, engine_run, e
     assert fp8.stats()["num_kv_blocks_free"] == fp8.stats()["num_kv_blocks_total"]
 
 
-@pytest.mark.parametrize("rows", [1, 7, 257])
+@pytest.mark.parametrize("rows", [1, 2, 7, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_linear_matches_a_float64_reference(rows, with_bias):
-    """The CPU path splits a stacked weight into one GEMM per projection (rows <= 256); each output column
-    must still be its own projection's, bias included (Qwen2's q/k/v bias)."""
-    from kernel_lab.harness.testing import case_seed, randn
-    from kernel_lab.models.llama import fused_linear
+def test_linear_matches_a_float64_reference_on_both_cpu_paths(rows, with_bias, monkeypatch):
+    """CPU `Linear`: one row through F.linear on the row-major weight, more through oneDNN's blocked copy.
+    Both must give x @ W.T + b for a stacked weight (Qwen2's q/k/v bias included), and the path taken must
+    be the one the row count selects (the other is made to raise)."""
+    import torch.nn.functional as F
 
-    sizes = [72, 24, 24]
-    seed = case_seed("fused_linear", rows, with_bias)
-    x = randn((rows, 40), torch.float32, "cpu", seed)
-    weight = randn((sum(sizes), 40), torch.float32, "cpu", seed + 1)
-    bias = randn((sum(sizes),), torch.float32, "cpu", seed + 2) if with_bias else None
+    from kernel_lab.harness.testing import case_seed, randn
+    from kernel_lab.models import llama
+
+    seed = case_seed("linear", rows, with_bias)
+    x = randn((rows, 40), torch.float32, "cpu", seed)[:, :37]           # a strided input
+    weight = randn((120, 37), torch.float32, "cpu", seed + 1)
+    bias = randn((120,), torch.float32, "cpu", seed + 2) if with_bias else None
     expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
-    out = fused_linear(x, weight, bias, sizes)
-    assert out.shape == (rows, sum(sizes)) and out.dtype == torch.float32
+    linear = llama.Linear(weight, bias)
+    assert linear.blocked is not None, "this torch build has no oneDNN: the CPU engine runs F.linear only"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("wrong path for this row count")
+
+    if rows == 1:
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", refuse)
+    else:
+        monkeypatch.setattr(F, "linear", refuse)
+    out = linear(x)
+    assert out.shape == (rows, 120) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
