@@ -21,9 +21,13 @@ Contract
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
   layers) passes False.
 
-Dispatch: CPU tensors run `paged_decode_attention_reference` (materialising, float32 softmax; q and caches
-may be fp16, bf16 or fp32). CUDA tensors run the CUDA C++ kernel in `kernel_lab/csrc/paged_attention.cu`,
-which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3; fp32 q is refused on CUDA.
+Dispatch: CPU float32 q and caches run the plain-C kernel `kernel_lab/csrc/cpu/paged_decode_attention.c`
+(built on first use by `cpu_kernels.py`; it reads each page in place, once, with an online softmax, and
+trusts the table values, so `validate=False` is for tables already checked). Other CPU inputs (fp16, bf16,
+an fp8 cache), or any without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, run
+`paged_decode_attention_reference` (materialising, float32 softmax). CUDA tensors run the CUDA C++ kernel
+in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
+fp32 q is refused on CUDA.
 
 The kernel (see the project READMEs for the traffic model): one CTA per (sequence, KV head, head group,
 KV split). A head group is up to 8 query heads of one KV head that share every K/V load. When
@@ -281,6 +285,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         check_table_values(block_tables, seq_lens, num_blocks, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
+        if q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            from .cpu_kernels import paged_decode_attention_cpu
+
+            result = out if out is not None else torch.empty(q.shape, dtype=q.dtype)
+            if paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, result):
+                return result
         result = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                   k_scale, v_scale)
         return out.copy_(result) if out is not None else result

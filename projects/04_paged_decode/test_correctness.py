@@ -1,20 +1,23 @@
 """Project 04 correctness: paged decode attention.
 
-CPU: the reference path (what `paged_decode_attention` runs on CPU) against an independent float64
-formulation; the CPU model of the CUDA kernel's algorithm against the reference; the split plan; input
-validation; and nvcc builds of the torch-free kernel sources for sm_80/89/90 with zero spills.
+CPU: the reference path (what `paged_decode_attention` runs on CPU for fp16/bf16) and the plain-C kernel
+(fp32; csrc/cpu, skipped without a C compiler) against an independent float64 formulation, with unread
+slots poisoned; the dispatch between the two; the CPU model of the CUDA kernel's algorithm against the
+reference; the split plan; input validation; and nvcc builds of the torch-free kernel sources for
+sm_80/89/90 with zero spills.
 GPU (marked): the real extension against the reference, including inside a CUDA graph.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 
 from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
-from kernel_lab.ops import allocate_kv_cache, paged_decode_attention, write_kv
+from kernel_lab.ops import allocate_kv_cache, cpu_kernels, paged_attention, paged_decode_attention, write_kv
 from kernel_lab.ops.paged_attention import (
     HEADS_PER_GROUP,
     MIN_PARTITION_TOKENS,
@@ -154,6 +157,161 @@ def test_inputs_are_not_modified():
     before = [t.clone() for t in (q, kc, vc, bt, sl)]
     paged_decode_attention(q, kc, vc, bt, sl)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, kc, vc, bt, sl)))
+
+
+# --------------------------------------------------------------------------------------------- CPU C kernel
+@pytest.fixture
+def c_kernel(monkeypatch):
+    """The plain-C CPU kernel (csrc/cpu), built if needed; skips without a C compiler, fails if one is there
+    but the build does not work."""
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+    assert cpu_kernels.load_library() is not None, "a C compiler is on PATH but the CPU kernel did not build"
+    return cpu_kernels.paged_decode_attention_cpu
+
+
+def poison_unread_slots(k_cache, v_cache, block_tables, seq_lens):
+    """NaN in every slot no sequence may read (pages of no sequence, slots past each length), so a kernel
+    that reads one produces NaN instead of a plausible number."""
+    block_size = k_cache.shape[1]
+    readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, length in enumerate(seq_lens.tolist()):
+        for t in range(length):
+            readable[int(block_tables[b, t // block_size]), t % block_size] = True
+    k_cache[~readable] = float("nan")
+    v_cache[~readable] = float("nan")
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3 (non-power-of-two), 3 again with the
+# engine's shape, MQA 32; block sizes 8/16/32; head dims 64 (the kernel's specialised copy) and 128/256
+# (its generic copy).
+C_KERNEL_CASES = [
+    (8, 8, 64, 16), (8, 2, 128, 8), (9, 3, 64, 16), (32, 1, 64, 32), (12, 4, 128, 32), (6, 3, 256, 8),
+]
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", C_KERNEL_CASES)
+def test_c_kernel_matches_float64(c_kernel, num_q_heads, num_kv_heads, head_dim, block_size):
+    max_blocks = 6
+    g = generator(case_seed("c-len", num_q_heads, head_dim, block_size))
+    lengths = [1, block_size, block_size + 1, 0, max_blocks * block_size,
+               int(torch.randint(2, max_blocks * block_size, (1,), generator=g)), 3 * block_size - 1]
+    seed = case_seed("c-kernel", num_q_heads, num_kv_heads, head_dim, block_size)
+    q, kc, vc, bt, sl, _, _ = make_case(seed, batch=len(lengths), num_q_heads=num_q_heads,
+                                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                                        lengths=lengths, max_blocks=max_blocks, dtype=torch.float32,
+                                        num_blocks=sum(-(-n // block_size) for n in lengths) + 5)
+    assert int(bt[3, 0]) == -1 and int(bt[0, 1]) == -1  # padding entries: reading one would fail
+    poison_unread_slots(kc, vc, bt, sl)
+    # q a slice of a fused QKV buffer (batch stride wider than the heads), out a view inside a wider buffer.
+    qkv = randn((len(lengths), num_q_heads + 2 * num_kv_heads, head_dim), torch.float32, "cpu", seed + 7)
+    qkv[:, :num_q_heads] = q * 2  # a peakier softmax, so the running max moves and rescales matter
+    q = qkv[:, :num_q_heads]
+    out_base = poison(torch.empty((len(lengths), num_q_heads, head_dim + 16)))
+    out = out_base[:, :, 3:3 + head_dim]
+    assert c_kernel(q, kc, vc, bt, sl, 0.7 * head_dim ** -0.5, out)
+    assert_close(out, attention64(q, kc, vc, bt, sl, 0.7 * head_dim ** -0.5), torch.float32)
+    assert torch.equal(out[3], torch.zeros_like(out[3])), "a length-0 row must be exactly zero"
+    assert torch.isnan(out_base[:, :, :3]).all() and torch.isnan(out_base[:, :, 3 + head_dim:]).all(), \
+        "wrote outside out"
+
+
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_c_kernel_other_head_dims(c_kernel, head_dim):
+    """Head dims the op does not accept still work in the kernel itself (its generic copy)."""
+    num_blocks, block_size, hq, hkv = 9, 16, 6, 2
+    kc = randn((num_blocks, block_size, hkv, head_dim), torch.float32, "cpu", head_dim)
+    vc = randn((num_blocks, block_size, hkv, head_dim), torch.float32, "cpu", head_dim + 1)
+    q = randn((3, hq, head_dim), torch.float32, "cpu", head_dim + 2)
+    bt = torch.tensor([[4, 0, 7], [2, -1, -1], [8, 4, 1]], dtype=torch.int32)
+    sl = torch.tensor([37, 5, 48], dtype=torch.int32)
+    poison_unread_slots(kc, vc, bt, sl)
+    out = poison(torch.empty_like(q))
+    assert c_kernel(q, kc, vc, bt, sl, head_dim ** -0.5, out)
+    assert_close(out, attention64(q, kc, vc, bt, sl, head_dim ** -0.5), torch.float32)
+
+
+def test_c_kernel_long_context_and_interleaved_cache(c_kernel):
+    """Thousands of tokens with a peaky softmax (many rescales), K/V as views of one [N, 2, bs, H, D] pool."""
+    lengths, block_size, heads, head_dim = [2000, 1, 777], 16, 2, 64
+    q, kc, vc, bt, sl, _, _ = make_case(case_seed("c-long"), batch=3, num_q_heads=8, num_kv_heads=heads,
+                                        head_dim=head_dim, block_size=block_size, lengths=lengths,
+                                        dtype=torch.float32)
+    pool = torch.stack([kc, vc], dim=1)                                                # [N, 2, bs, H, D]
+    kc, vc = pool[:, 0], pool[:, 1]
+    poison_unread_slots(kc, vc, bt, sl)
+    q = q * 4
+    out = poison(torch.empty_like(q))
+    assert c_kernel(q, kc, vc, bt, sl, 0.3, out)
+    assert_close(out, attention64(q, kc, vc, bt, sl, 0.3), torch.float32)
+
+
+def test_public_op_runs_the_c_kernel_for_fp32(c_kernel, monkeypatch):
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the CPU fp32 op ran the PyTorch reference, not the C kernel")
+
+    q, kc, vc, bt, sl, _, _ = make_case(case_seed("c-public"), batch=4, num_q_heads=9, num_kv_heads=3,
+                                        head_dim=64, block_size=16, lengths=[40, 0, 16, 3], dtype=torch.float32)
+    poison_unread_slots(kc, vc, bt, sl)
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_reference", no_reference)
+    out = poison(torch.empty_like(q))
+    assert paged_decode_attention(q, kc, vc, bt, sl, out=out).data_ptr() == out.data_ptr()
+    assert_close(out, attention64(q, kc, vc, bt, sl, 0.125), torch.float32)
+    assert_close(paged_decode_attention(q, kc, vc, bt, sl), attention64(q, kc, vc, bt, sl, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("how", ["disabled", "unavailable", "fp16"])
+def test_public_op_falls_back_to_the_reference(monkeypatch, how):
+    calls = []
+    reference = paged_attention.paged_decode_attention_reference
+
+    def counted_reference(*args, **kwargs):
+        calls.append(1)
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_reference", counted_reference)
+    if how == "disabled":
+        monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")
+    elif how == "unavailable":
+        monkeypatch.setattr(cpu_kernels, "load_library", lambda: None)
+    dtype = torch.float16 if how == "fp16" else torch.float32
+    q, kc, vc, bt, sl, _, _ = make_case(case_seed("c-fallback", how), batch=2, num_q_heads=4, num_kv_heads=2,
+                                        head_dim=64, block_size=8, lengths=[19, 5], dtype=dtype)
+    out = paged_decode_attention(q, kc, vc, bt, sl)
+    assert calls == [1]
+    assert_close(out, attention64(q, kc, vc, bt, sl, 0.125), dtype)
+
+
+def test_no_compiler_warns_once_and_returns_none(monkeypatch, tmp_path):
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_kernels._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            assert cpu_kernels.load_library() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_kernels.load_library() is None  # the answer is cached: no second warning
+    finally:
+        cpu_kernels._load.cache_clear()  # later tests load the real library again
+
+
+def test_failed_build_warns_and_returns_none(monkeypatch, tmp_path):
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH)")
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("KERNEL_LAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    cpu_kernels._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="failed"):
+            assert cpu_kernels.load_library() is None
+        assert not list((tmp_path / "cache" / "cpu").glob("*")), "a failed build left files behind"
+    finally:
+        cpu_kernels._load.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------- split plan

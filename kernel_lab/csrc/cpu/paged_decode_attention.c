@@ -1,0 +1,292 @@
+/* Paged decode attention on the CPU, float32: one query token per sequence over a block-table KV cache.
+ *
+ * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
+ * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
+ * ctypes, and holds the build flags (with the reason for each).
+ *
+ * Why it exists: the PyTorch reference gathers every used page into a copy, zeroes the stale slots, then
+ * reads the copy again in SDPA. Here each page is read in place, once, and the softmax is online.
+ *
+ * Vectorisation without -ffast-math: the `omp simd` pragmas (-fopenmp-simd) allow reassociating just those
+ * reductions across SIMD lanes, and nothing else. No OpenMP runtime is linked and the kernel is
+ * single-threaded: torch brings its own OpenMP runtime, and two in one process fight over the threads.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Tokens whose scores (and V contributions) are computed together: four dot products in one loop give the
+ * FMA units four independent chains instead of one latency-bound chain, and an accumulator row is loaded
+ * and stored once per four V rows rather than once per row. (Eight measured no better.) */
+#define TOKENS 4
+
+/* Per-head scratch rows are padded to this many floats, so each starts on a 64-byte line. */
+#define ROW_ALIGN 16
+
+#if defined(__GNUC__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define ALWAYS_INLINE inline
+#define PREFETCH(p) ((void)(p))
+#endif
+
+/* exp(x) for x <= 0, within about 2 ulp, in a form the compiler vectorises: the softmax takes one exp per
+ * (query head, token), and libm's expf is a call no loop can vectorise (glibc's vector expf needs
+ * -ffast-math). Cody-Waite reduction x = n ln2 + r with |r| <= ln2 / 2, Cephes' degree-6 polynomial for
+ * exp(r), 2^n built in the exponent bits. Below -87 the result is 0: 2^n would leave the normal range, and
+ * such a weight is under float32 resolution next to the running maximum's weight of 1 anyway (flushing it,
+ * rather than returning a denormal, also keeps denormals out of the V accumulation). */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpositive(float x) {
+    const int underflow = x < -87.0f;
+    x = underflow ? -87.0f : x;
+    /* Adding and removing 1.5 * 2^23 rounds to the nearest integer (kept as written without -ffast-math). */
+    const float shifter = 12582912.0f;
+    const float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f; /* ln2 in two parts: n times the first is exact */
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return underflow ? 0.0f : p * two_n;
+}
+
+/* Scores of TOKENS tokens against one query row. */
+static inline void dot_tokens(const float *restrict qh, const float *const k[TOKENS], int head_dim,
+                              float *restrict s) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int d = 0; d < head_dim; ++d) {
+        const float qd = qh[d];
+        s0 += qd * k0[d];
+        s1 += qd * k1[d];
+        s2 += qd * k2[d];
+        s3 += qd * k3[d];
+    }
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+}
+
+/* Pages sit at random places in the pool and span only a few 4 KiB pages, where hardware prefetchers stop,
+ * so without help most lines of a page arrive at full memory latency. So each pass over a page asks for
+ * what the same pass over the next page will read, spread thinly over the pass: a burst would fill the
+ * miss buffers and stall the loads this pass needs. Call i of n prefetches the i-th of n equal parts of the
+ * next page's rows [lo, min(hi, tokens)), so the lines are requested in address order, which the hardware
+ * prefetchers build on (measured: about 20% faster than the same lines in KV-head order). */
+static inline void prefetch_part(const float *page, int64_t stride_token, int lo, int hi, int tokens, int i,
+                                 int n) {
+    hi = hi < tokens ? hi : tokens;
+    if (lo >= hi) return;
+    const int64_t begin = lo * stride_token, size = (hi - lo) * stride_token;
+    const int64_t first = begin + size * i / n, end = begin + size * (i + 1) / n;
+    const int64_t line = 64 / sizeof(float);
+    for (int64_t f = first / line * line; f < end; f += line) PREFETCH(page + f);
+}
+
+/* Inlined twice (see the entry point): for head_dim 64 with constant trip counts (no remainder code, a
+ * 64-wide row's accumulators stay in registers: about 25% less compute), and for any head_dim. */
+static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_t q_stride_h,
+                                      const float *k_cache, const float *v_cache, int64_t cache_stride_block,
+                                      int64_t cache_stride_token, int64_t cache_stride_head,
+                                      const int32_t *block_tables, int64_t table_stride,
+                                      const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
+                                      int head_dim, int block_size, float scale, float *out,
+                                      int64_t out_stride_b, int64_t out_stride_h) {
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int64_t score_row = ((int64_t)block_size + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    /* Per query head: scaled query and V accumulator rows, a page of scores, and four scalars. */
+    const int64_t floats = (int64_t)num_q_heads * (2 * row + score_row + 4);
+    const size_t bytes = ((size_t)floats * sizeof(float) + 63) / 64 * 64; /* aligned_alloc: a multiple */
+    float *scratch = aligned_alloc(64, bytes);
+    if (!scratch) return -1;
+    float *qs = scratch;
+    float *acc = qs + num_q_heads * row;
+    float *scores = acc + num_q_heads * row;
+    float *run_max = scores + num_q_heads * score_row;
+    float *run_sum = run_max + num_q_heads;
+    float *page_max = run_sum + num_q_heads;
+    float *correction = page_max + num_q_heads;
+
+    for (int b = 0; b < batch; ++b) {
+        const int len = seq_lens[b];
+        if (len <= 0) {
+            for (int h = 0; h < num_q_heads; ++h)
+                memset(out + b * out_stride_b + h * out_stride_h, 0, (size_t)head_dim * sizeof(float));
+            continue;
+        }
+        /* The scale folded into q once, rather than a multiply per score. */
+        for (int h = 0; h < num_q_heads; ++h) {
+            const float *qh = q + b * q_stride_b + h * q_stride_h;
+            float *dst = qs + h * row;
+#pragma omp simd
+            for (int d = 0; d < head_dim; ++d) dst[d] = qh[d] * scale;
+            memset(acc + h * row, 0, (size_t)head_dim * sizeof(float));
+            run_max[h] = -INFINITY;
+            run_sum[h] = 0.0f;
+        }
+        const int32_t *table = block_tables + b * table_stride;
+        const int num_pages = (len + block_size - 1) / block_size;
+        /* Page by page with every KV head inside (not KV head by KV head over the sequence): a token's K
+         * (or V) row holds all KV heads side by side, so each pass sweeps one contiguous stretch of the
+         * page, front to back, and the page is read from memory once. */
+        for (int page_idx = 0; page_idx < num_pages; ++page_idx) {
+            /* Slots past the sequence's length may hold anything (even NaN): never read them. */
+            const int tokens = len - page_idx * block_size < block_size ? len - page_idx * block_size
+                                                                         : block_size;
+            const float *k_page = k_cache + (int64_t)table[page_idx] * cache_stride_block;
+            const float *v_page = v_cache + (int64_t)table[page_idx] * cache_stride_block;
+            /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
+             * entries past a sequence's last page may be padding, so only used entries are looked up. */
+            int64_t next = -1;
+            int next_tokens = 0;
+            if (page_idx + 1 < num_pages) {
+                next = table[page_idx + 1];
+                next_tokens = len - (page_idx + 1) * block_size;
+            } else if (b + 1 < batch && seq_lens[b + 1] > 0) {
+                next = block_tables[(b + 1) * table_stride];
+                next_tokens = seq_lens[b + 1];
+            }
+            next_tokens = next < 0 ? 0 : next_tokens < block_size ? next_tokens : block_size;
+            const float *next_k = k_cache + (next < 0 ? 0 : next) * cache_stride_block;
+            const float *next_v = v_cache + (next < 0 ? 0 : next) * cache_stride_block;
+
+            /* Scores: a K row, once loaded, serves every query head of its KV head. */
+            int t = 0;
+            for (; t + TOKENS <= tokens; t += TOKENS) {
+                for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+                    const float *k[TOKENS];
+                    for (int i = 0; i < TOKENS; ++i)
+                        k[i] = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
+                    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+                        prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                        dot_tokens(qs + h * row, k, head_dim, scores + h * score_row + t);
+                    }
+                }
+            }
+            prefetch_part(next_k, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
+            for (; t < tokens; ++t) {
+                for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+                    const float *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
+                    for (int h = kvh * group; h < (kvh + 1) * group; ++h)
+                        scores[h * score_row + t] = dot(qs + h * row, k, head_dim);
+                }
+            }
+
+            /* Online softmax, one update per page rather than per token. Branch-free: the accumulator
+             * is rescaled on every page (by exactly 1 when the max stays), which measured faster than a
+             * data-dependent "did the max grow" branch. On the first page the correction is
+             * exp(-inf) = 0, applied to a zero accumulator and sum. */
+            for (int h = 0; h < num_q_heads; ++h) {
+                const float *s = scores + h * score_row;
+                float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+                for (int i = 0; i < tokens; ++i) m = s[i] > m ? s[i] : m;
+                page_max[h] = m;
+            }
+#pragma omp simd
+            for (int h = 0; h < num_q_heads; ++h) {
+                const float m = run_max[h] > page_max[h] ? run_max[h] : page_max[h];
+                correction[h] = exp_nonpositive(run_max[h] - m);
+                run_max[h] = m;
+            }
+            for (int h = 0; h < num_q_heads; ++h) {
+                float *s = scores + h * score_row;
+                const float m = run_max[h];
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int i = 0; i < tokens; ++i) {
+                    const float p = exp_nonpositive(s[i] - m);
+                    s[i] = p;
+                    sum += p;
+                }
+                const float c = correction[h];
+                run_sum[h] = run_sum[h] * c + sum;
+                float *a = acc + h * row;
+#pragma omp simd
+                for (int d = 0; d < head_dim; ++d) a[d] *= c;
+            }
+
+            /* V, in the same order as K. */
+            t = 0;
+            for (; t + TOKENS <= tokens; t += TOKENS) {
+                for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+                    const float *v0 = v_page + t * cache_stride_token + kvh * cache_stride_head;
+                    const float *v1 = v0 + cache_stride_token;
+                    const float *v2 = v1 + cache_stride_token;
+                    const float *v3 = v2 + cache_stride_token;
+                    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+                        prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                        const float *p = scores + h * score_row + t;
+                        const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+                        float *restrict a = acc + h * row;
+#pragma omp simd
+                        for (int d = 0; d < head_dim; ++d)
+                            a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                    }
+                }
+            }
+            prefetch_part(next_v, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
+            for (; t < tokens; ++t) {
+                for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+                    const float *v = v_page + t * cache_stride_token + kvh * cache_stride_head;
+                    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+                        const float p = scores[h * score_row + t];
+                        float *restrict a = acc + h * row;
+#pragma omp simd
+                        for (int d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < num_q_heads; ++h) {
+            /* The token at the running max weighs exactly 1, so the sum is >= 1. */
+            const float inv = 1.0f / run_sum[h];
+            const float *a = acc + h * row;
+            float *dst = out + b * out_stride_b + h * out_stride_h;
+#pragma omp simd
+            for (int d = 0; d < head_dim; ++d) dst[d] = a[d] * inv;
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* Strides are in elements; the last dimension of q, the caches and out is contiguous, and K and V share
+ * their strides. Returns 0, or -1 when the scratch buffer cannot be allocated (then nothing is written). */
+int kl_paged_decode_attention_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
+                                  const float *v_cache, int64_t cache_stride_block, int64_t cache_stride_token,
+                                  int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
+                                  const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
+                                  int head_dim, int block_size, float scale, float *out, int64_t out_stride_b,
+                                  int64_t out_stride_h) {
+#define CALL(D)                                                                                              \
+    paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, cache_stride_block, cache_stride_token,         \
+                 cache_stride_head, block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, D, \
+                 block_size, scale, out, out_stride_b, out_stride_h)
+    /* Only the engine's head_dim gets its own copy: each copy adds most of a second to the build, and the
+     * tests' other head dims keep the generic copy covered. */
+    if (head_dim == 64) return CALL(64);
+    return CALL(head_dim);
+#undef CALL
+}

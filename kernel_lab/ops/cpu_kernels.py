@@ -1,0 +1,175 @@
+"""Plain-C CPU kernels (kernel_lab/csrc/cpu), built with the system C compiler and called through ctypes.
+
+The sources include no torch headers, so a build takes a second or two: it happens on first use, into
+`$KERNEL_LAB_CACHE/cpu` (default `~/.cache/kernel_lab/cpu`), under a name keyed by the source, the flags,
+the compiler's version and the CPU (`-march=native` code is specific to the machine that built it). The
+library is written to a temporary name and renamed into place, so concurrent processes (pytest-xdist,
+several engine processes) never load a half-written file. `python -m kernel_lab.ops.cpu_kernels` builds it
+ahead of time and prints its path.
+
+When there is no compiler or the build fails, `load_library()` warns once and returns None and callers run
+the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
+
+Kernels are single-threaded, compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP
+runtime: torch ships its own, and two runtimes in one process fight over threads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+SOURCE = CSRC_CPU / "paged_decode_attention.c"
+# Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
+# -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
+# -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
+# flags, without which GCC will not turn the exp clamp (a compare and select) into vector code and the
+# softmax's exp loop stays scalar (a quarter of the kernel's time when measured).
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-trapping-math", "-shared",
+          "-fPIC")
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_PAGED_DECODE_ARGTYPES = [
+    _ptr, _i64, _i64,                    # q, q_stride_b, q_stride_h
+    _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
+    _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
+    _int, _int, _int, _int, _int,        # batch, num_q_heads, num_kv_heads, head_dim, block_size
+    ctypes.c_float,                      # scale
+    _ptr, _i64, _i64,                    # out, out_stride_b, out_stride_h
+]
+
+
+def enabled() -> bool:
+    return os.environ.get("KERNEL_LAB_CPU_KERNELS", "1") != "0"
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else `cc` on PATH (None when there is neither)."""
+    name = os.environ.get("CC", "").strip() or "cc"
+    return name if shutil.which(shlex.split(name)[0]) else None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "cpu"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86 / arm64
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path(cc: str) -> Path:
+    """Where the build for this source, compiler, flags and CPU lives (raises if `cc --version` fails)."""
+    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), cc.encode(), version.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"{SOURCE.stem}_{digest.hexdigest()[:16]}.so"
+
+
+def build(cc: str) -> Path:
+    """Compile SOURCE unless this exact build is cached; returns the library's path."""
+    path = library_path(cc)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([*shlex.split(cc), *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent builder's identical file just replaces this one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        warnings.warn("kernel_lab CPU kernels unavailable: no C compiler (cc, or $CC) on PATH; "
+                      "using the PyTorch reference", RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc)))
+        fn = lib.kl_paged_decode_attention_f32
+    except Exception as exc:  # any build or load failure means: use the reference
+        warnings.warn(f"kernel_lab CPU kernels unavailable ({type(exc).__name__}: {exc}); "
+                      "using the PyTorch reference", RuntimeWarning, stacklevel=2)
+        return None
+    fn.argtypes = _PAGED_DECODE_ARGTYPES
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The built library, or None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
+    return _load() if enabled() else None
+
+
+def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                               out: torch.Tensor) -> bool:
+    """Run the C kernel into `out` if it applies; False (nothing written) means: use the reference.
+
+    Inputs are assumed validated (`paged_attention._validate` and the table value checks; the kernel reads
+    whatever the tables point at): it applies to CPU float32 q, caches and out, each contiguous in its last
+    dimension, K and V with the same strides, int32 tables and lengths.
+    """
+    tensors = (q, k_cache, v_cache, out)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+        return False
+    if k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        return False
+    lib = load_library()
+    if lib is None:
+        return False
+    # Contiguous int32 copies if needed; the locals keep every tensor alive for the duration of the call.
+    tables = block_tables.contiguous()
+    lens = seq_lens.contiguous()
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = lib.kl_paged_decode_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), out.stride(0), out.stride(1))
+    return status == 0
+
+
+def main() -> None:
+    if not enabled():
+        raise SystemExit("KERNEL_LAB_CPU_KERNELS=0: the CPU kernels are disabled")
+    cc = compiler()
+    if cc is None:
+        raise SystemExit("no C compiler: set $CC or put cc on PATH")
+    print(build(cc))
+
+
+if __name__ == "__main__":
+    main()
