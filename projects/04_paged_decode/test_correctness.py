@@ -314,6 +314,24 @@ def test_failed_build_warns_and_returns_none(monkeypatch, tmp_path):
         cpu_kernels._load.cache_clear()
 
 
+def test_c_kernel_is_vectorised(c_kernel):
+    """The kernel relies on the `omp simd` loops becoming SIMD code: on an AVX2 machine its library must
+    contain 256-bit FMAs (a build that silently fell back to scalar code would still pass the maths tests)."""
+    import platform
+    import shutil
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64") or " avx2 " not in f" {cpu_kernels._cpu_flags()} ":
+        pytest.skip("the instruction check is written for x86-64 with AVX2")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) not on PATH")
+    path = cpu_kernels.build(cpu_kernels.compiler())
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    fma_ymm = re.findall(r"\bvfmadd\w*\s+%?ymm", listing)
+    assert len(fma_ymm) >= 16, f"only {len(fma_ymm)} 256-bit FMAs in {path.name}: the loops were not vectorised"
+
+
 # --------------------------------------------------------------------------------------------- split plan
 @pytest.mark.parametrize("batch, hq, hkv, max_blocks, bs, sms", [
     (1, 32, 32, 2048, 16, 132), (1, 64, 8, 512, 64, 132), (256, 32, 8, 128, 16, 132), (3, 8, 8, 1, 8, 132),
