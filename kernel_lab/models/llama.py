@@ -138,6 +138,11 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+# The row count oneDNN's blocked layout is chosen for. A/B runs of the model's projection shapes gave about the
+# same speed for hints 2..32 at 2..512 rows; any hint >= 2 gives the blocked (not the row-major) layout.
+BLOCKED_ROWS_HINT = 8
+
+
 def _onednn_blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once into oneDNN's blocked layout, or None where that path does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
@@ -146,11 +151,6 @@ def _onednn_blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_ROWS_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: F.linear everywhere
         return None
-
-
-# The row count oneDNN's blocked layout is chosen for. A/B runs of the model's projection shapes gave about the
-# same speed for hints 2..32 at 2..512 rows; any hint >= 2 gives the blocked (not the row-major) layout.
-BLOCKED_ROWS_HINT = 8
 
 
 class Linear(nn.Module):
