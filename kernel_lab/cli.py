@@ -1,11 +1,11 @@
-"""`kernel-lab` command line. Each subcommand lives in the module that owns its job; this file only
-routes, and imports lazily so `kernel-lab env` stays fast.
+"""`kernel-lab` command line. Each subcommand lives in the module that owns its job; this file routes,
+imports lazily so `kernel-lab env` stays fast, and holds the engine and sampling flags several commands share.
 
-    kernel-lab generate "prompt"      stream text from the default model      (kernel_lab.engine.commands)
-    kernel-lab demo                   several chats at once, continuous batching (kernel_lab.engine.commands)
-    kernel-lab bench throughput       offline throughput, like `vllm bench throughput`
-    kernel-lab serve                  OpenAI-compatible server                 (kernel_lab.server.commands)
-    kernel-lab bench serve            online serving benchmark, like `vllm bench serve`
+    kernel-lab generate "prompt"      stream text from the default model         (kernel_lab.chat)
+    kernel-lab demo                   several chats at once, continuous batching (kernel_lab.chat)
+    kernel-lab serve                  OpenAI-compatible server                   (kernel_lab.server.launch)
+    kernel-lab bench throughput       offline throughput, like `vllm bench throughput` (kernel_lab.bench.throughput)
+    kernel-lab bench serve            online serving benchmark, like `vllm bench serve` (kernel_lab.bench.serve)
     kernel-lab env                    print the environment record
 """
 
@@ -18,13 +18,13 @@ import sys
 
 # subcommand -> (module, help). A module provides add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS = {
-    "generate": ("kernel_lab.engine.commands", "stream a completion from the default (or given) model"),
-    "demo": ("kernel_lab.engine.commands", "run several chat prompts at once and stream them"),
-    "serve": ("kernel_lab.server.commands", "start the OpenAI-compatible server"),
+    "generate": ("kernel_lab.chat", "stream a completion from the default (or given) model"),
+    "demo": ("kernel_lab.chat", "run several chat prompts at once and stream them"),
+    "serve": ("kernel_lab.server.launch", "start the OpenAI-compatible server"),
 }
 BENCH_COMMANDS = {
-    "throughput": ("kernel_lab.engine.commands", "offline throughput benchmark"),
-    "serve": ("kernel_lab.server.commands", "online serving benchmark against any OpenAI-compatible server"),
+    "throughput": ("kernel_lab.bench.throughput", "offline throughput benchmark"),
+    "serve": ("kernel_lab.bench.serve", "online serving benchmark against any OpenAI-compatible server"),
 }
 
 
@@ -49,6 +49,44 @@ def _run_env(args) -> int:
 
     print(json.dumps(environment_record(), indent=1))
     return 0
+
+
+def add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=args.num_kv_blocks,
+                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+
+
+def add_sampling_arguments(parser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args, **overrides):
+    from kernel_lab.engine import SamplingParams
+
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed)
+    kwargs.update(overrides)
+    return SamplingParams(**kwargs)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

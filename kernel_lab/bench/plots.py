@@ -1,6 +1,6 @@
 """Figures from `kernel-lab bench serve` records (matplotlib, PNG).
 
-    python -m kernel_lab.server.plots results/09_engine/serve/*.json --out projects/09_engine/server/figures
+    python -m kernel_lab.bench.plots results/09_engine/serve/*.json --out projects/09_engine/server/figures
 
 - throughput_vs_concurrency.png: output tokens/s and requests/s against --max-concurrency, one line per
   server label (only records of the same workload are drawn together: the first workload found, or
@@ -19,7 +19,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .bench_serve import RECORD_TYPE
+from .serve import RECORD_TYPE
 
 
 def load_serve_records(paths: list[str]) -> list[dict]:
@@ -156,7 +156,7 @@ def table(records: list[dict], workload: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernel_lab.server.plots", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernel_lab.bench.plots", description=__doc__.split("\n")[0])
     parser.add_argument("records", nargs="+", help="record files or directories")
     parser.add_argument("--out", default=".", help="directory for the PNG files")
     parser.add_argument("--workload", default=None, help="workload key to draw (default: the first found)")

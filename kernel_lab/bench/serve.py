@@ -21,7 +21,7 @@ Token counts come from the server's usage (stream_options.include_usage). Aggreg
 throughput, output and total token throughput, and mean / median / p90 / p99 of each latency.
 
 The JSON record (`record_type: serve_benchmark`) holds the workload, the summary, the environment and
-the per-request lengths and latencies; `python -m kernel_lab.server.plots` draws figures from records.
+the per-request lengths and latencies; `python -m kernel_lab.bench.plots` draws figures from records.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def format_summary(record: dict) -> str:
 
 
 # ====================================================================== entry points
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -499,7 +499,7 @@ def benchmark_once(
     }
 
 
-def main_from_args(args) -> int:
+def run_bench_serve(args) -> int:
     from kernel_lab.harness.env import device_label, environment_record
 
     if args.base_url is None:
@@ -567,8 +567,8 @@ def main_from_args(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kernel-lab bench serve", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return main_from_args(parser.parse_args(argv))
+    add_bench_serve_arguments(parser)
+    return run_bench_serve(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

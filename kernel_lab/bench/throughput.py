@@ -1,7 +1,6 @@
-"""`kernel-lab generate`, `kernel-lab demo` and `kernel-lab bench throughput` (routed from kernel_lab/cli.py).
+"""`kernel-lab bench throughput`: offline throughput of this engine, Hugging Face transformers or vLLM on the same
+token-id workload, modelled on `vllm bench throughput`.
 
-    kernel-lab generate "What is the capital of France?"     stream a chat answer from the default model
-    kernel-lab demo                                          several chats at once, continuous batching
     kernel-lab bench throughput --num-prompts 32 --input-len 128 --output-len 128 [--backend transformers|vllm]
 """
 
@@ -10,203 +9,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import sys
 import time
 
-
-def seconds_since_process_start() -> float | None:
-    """Wall time since this process started (Linux), so start-up cost includes Python and imports."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+from kernel_lab.cli import add_engine_arguments, engine_kwargs
 
 
-def _add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--max-model-len", type=int, default=max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-
-
-def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=args.num_kv_blocks,
-                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
-
-
-def _add_sampling_arguments(parser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-
-
-def _sampling_params(args, **overrides):
-    from .sampling_params import SamplingParams
-
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed)
-    kwargs.update(overrides)
-    return SamplingParams(**kwargs)
-
-
-# ------------------------------------------------------------------------------------------------ generate
-def add_generate_arguments(parser) -> None:
-    parser.add_argument("prompt", help="the user message (or raw text with --raw)")
-    parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
-    parser.add_argument("--system", default=None, help="a system message for the chat template")
-    _add_sampling_arguments(parser, max_tokens=256)
-    _add_engine_arguments(parser, max_num_seqs=8)
-
-
-def run_generate(args) -> int:
-    from .llm import LLM
-
-    llm = LLM(args.model, **_engine_kwargs(args))
-    if args.raw:
-        prompt = args.prompt
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": args.prompt}]
-        prompt = llm.tokenizer.apply_chat_template(messages) if llm.tokenizer.chat_template_source else args.prompt
-    params = _sampling_params(args)
-    engine = llm.engine
-    engine.add_request("generate", prompt, params)
-    start = time.perf_counter()
-    first_token_at = None
-    num_tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            completion = out.outputs[0]
-            if first_token_at is None and completion.new_token_ids:
-                first_token_at = time.perf_counter()
-                since_start = seconds_since_process_start()
-            num_tokens += len(completion.new_token_ids)
-            if completion.new_text:
-                sys.stdout.write(completion.new_text)
-                sys.stdout.flush()
-    end = time.perf_counter()
-    sys.stdout.write("\n")
-    decode_rate = (num_tokens - 1) / (end - first_token_at) if num_tokens > 1 and end > first_token_at else 0.0
-    cold = f", {since_start:.2f} s after process start" if since_start is not None else ""
-    print(f"[{num_tokens} tokens; first token {first_token_at - start:.2f} s after the request{cold}; "
-          f"{decode_rate:.1f} tok/s after it; {engine.device.type}, {str(engine.dtype).replace('torch.', '')}]",
-          file=sys.stderr)
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------ demo
-DEMO_PROMPTS = [
-    "Write a haiku about a GPU that dreams of electric sheep.",
-    "What is the capital of France, and what is it famous for?",
-    "Explain in two sentences why a KV cache speeds up text generation.",
-    "Give me three tips for writing readable Python code.",
-    "Tell me a very short story about a robot who learns to paint.",
-    "What are the three primary colors?",
-    "Translate 'good morning, how are you?' into French and Spanish.",
-    "Suggest a name for a friendly cat and explain why.",
-]
-
-
-def add_demo_arguments(parser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=len(DEMO_PROMPTS))
-    _add_sampling_arguments(parser, max_tokens=160)
-    _add_engine_arguments(parser, max_num_seqs=16)
-
-
-class _Panel:
-    """Live view of many streams: one line per request, redrawn in place on a terminal."""
-
-    def __init__(self, prompts: list[str], stream):
-        self.prompts, self.stream = prompts, stream
-        self.texts = [""] * len(prompts)
-        self.tokens = [0] * len(prompts)
-        self.done = [False] * len(prompts)
-        self.live = stream.isatty()
-        self.drawn = 0
-        self.last_draw = 0.0
-
-    def update(self, index: int, new_text: str, new_tokens: int, finished: bool) -> None:
-        self.texts[index] += new_text
-        self.tokens[index] += new_tokens
-        self.done[index] = finished
-
-    def draw(self, status: str, force: bool = False) -> None:
-        if not self.live or (not force and time.perf_counter() - self.last_draw < 0.1):
-            return
-        self.last_draw = time.perf_counter()
-        width = shutil.get_terminal_size((100, 20)).columns
-        lines = []
-        for i, text in enumerate(self.texts):
-            mark = "done" if self.done[i] else "...."
-            flat = " ".join(text.split())
-            head = f"[{i}] {mark} {self.tokens[i]:4d} tok | "
-            room = max(10, width - len(head) - 1)
-            lines.append(head + (flat[-room:] if len(flat) > room else flat))
-        lines.append(status[:width - 1])
-        out = f"\x1b[{self.drawn}F" if self.drawn else ""
-        out += "".join(f"\x1b[2K{line}\n" for line in lines)
-        self.stream.write(out)
-        self.stream.flush()
-        self.drawn = len(lines)
-
-
-def run_demo(args) -> int:
-    from .llm_engine import LLMEngine
-
-    engine = LLMEngine(args.model, **_engine_kwargs(args))
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.num_prompts)]
-    params = _sampling_params(args)
-    panel = _Panel(prompts, sys.stdout)
-    print(f"{engine.model_name} on {engine.device.type} ({str(engine.dtype).replace('torch.', '')}): "
-          f"{len(prompts)} chats at once, continuous batching, max {engine.scheduler.max_num_seqs} in flight")
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                           params)
-    prompt_tokens = sum(len(engine.requests[str(i)].prompt_token_ids) for i in range(len(prompts)))
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            panel.update(int(out.request_id), c.new_text, len(c.new_token_ids), out.finished)
-            if out.finished and not panel.live:
-                print(f"\n[{out.request_id}] {prompts[int(out.request_id)]}\n{c.text.strip()}")
-        steps += 1
-        elapsed = time.perf_counter() - start
-        generated = sum(panel.tokens)
-        panel.draw(f"step {steps}: {len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} "
-                   f"waiting, {generated} tokens, {generated / max(elapsed, 1e-9):.1f} tok/s")
-    elapsed = time.perf_counter() - start
-    panel.draw("", force=True)
-    if panel.live:
-        for i, prompt in enumerate(prompts):
-            print(f"\n[{i}] {prompt}\n{panel.texts[i].strip()}")
-    generated = sum(panel.tokens)
-    stats = engine.stats()
-    print(f"\n{len(prompts)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.1f} s: "
-          f"{generated / elapsed:.1f} output tok/s, {(prompt_tokens + generated) / elapsed:.1f} total tok/s "
-          f"({steps} steps, prefix-cache hits {stats['prefix_cache_hits']} tokens, "
-          f"{stats['num_preemptions']} preemptions)")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------ bench
 def add_bench_throughput_arguments(parser) -> None:
     parser.add_argument("--backend", default="kernel-lab", choices=["kernel-lab", "transformers", "vllm"],
                         help="vllm: vLLM's offline LLM, eager (needs vllm installed, e.g. project 08's .venv-vllm)")
@@ -219,7 +26,7 @@ def add_bench_throughput_arguments(parser) -> None:
                         help="random dataset: lengths uniform in [len*(1-r), len*(1+r)]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None, help="write the results as JSON to this file")
-    _add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)
+    add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: str, range_ratio: float,
@@ -239,10 +46,9 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: st
 
 
 def _bench_kernel_lab(args, workload) -> dict:
-    from .llm_engine import LLMEngine
-    from .sampling_params import SamplingParams
+    from kernel_lab.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(args.model, **_engine_kwargs(args))
+    engine = LLMEngine(args.model, **engine_kwargs(args))
     # Warm-up outside the timing: first calls allocate and (on CUDA) compile.
     engine.add_request("warmup", workload[0][0][:8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -265,9 +71,8 @@ def _bench_transformers(args, workload) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kernel_lab.engine.config import resolve_device, resolve_dtype
     from kernel_lab.models.loader import resolve_model_dir
-
-    from .llm_engine import resolve_device, resolve_dtype
 
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)

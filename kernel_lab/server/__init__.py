@@ -1,5 +1,4 @@
-"""OpenAI-compatible server around kernel_lab.engine (openai_api.py, async_engine.py, metrics.py) and the
-online serving benchmark (bench_serve.py, plots.py).
-
-Entry points: `kernel-lab serve` and `kernel-lab bench serve`.
+"""OpenAI-compatible server around kernel_lab.engine: protocol.py (schemas and errors), openai_api.py (routes),
+async_engine.py (the engine thread), metrics.py, launch.py (`kernel-lab serve`). Its benchmark lives in
+kernel_lab.bench.
 """

@@ -1,4 +1,5 @@
-"""`kernel-lab serve` and `kernel-lab bench serve` (flag names follow vLLM's)."""
+"""`kernel-lab serve`: build the engine, then run the OpenAI-compatible app under uvicorn (flag names follow
+vLLM's)."""
 
 from __future__ import annotations
 
@@ -132,14 +133,3 @@ def run_serve(args) -> int:
         pass
     return 1 if failed.is_set() else 0
 
-
-def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from .bench_serve import add_arguments
-
-    add_arguments(parser)
-
-
-def run_bench_serve(args) -> int:
-    from .bench_serve import main_from_args
-
-    return main_from_args(args)

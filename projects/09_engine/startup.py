@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kernel_lab.engine.commands import vllm_cpu_env  # noqa: E402
+from kernel_lab.bench.throughput import vllm_cpu_env  # noqa: E402
 from kernel_lab.harness.bench import Timing, summarize  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 

@@ -8,13 +8,8 @@ import re
 import pytest
 
 from kernel_lab.cli import main
-from kernel_lab.engine.testing import one_intra_op_thread
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    with one_intra_op_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_generate_streams_text(reference_only, capsys):

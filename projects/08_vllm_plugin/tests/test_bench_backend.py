@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_bench_throughput_vllm_backend_runs_the_workload(tmp_path):
     out = tmp_path / "vllm.json"
-    from kernel_lab.engine.commands import vllm_cpu_env
+    from kernel_lab.bench.throughput import vllm_cpu_env
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", **vllm_cpu_env("0")}
     cmd = [sys.executable, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", "vllm",

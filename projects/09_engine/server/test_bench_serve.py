@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from kernel_lab.server import bench_serve, plots
-from kernel_lab.server.bench_serve import (
+from kernel_lab.bench import plots
+from kernel_lab.bench import serve as bench_serve
+from kernel_lab.bench.serve import (
     BenchRequest,
     RequestResult,
     _percentile,
