@@ -17,13 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK_NAMES = ("test", "benchmark", "suite", "vllm", "engine")
 # Files other engineers are writing. A task may name them before they land; the test then checks the path's
 # shape and skips, instead of failing, while they are absent.
-IN_PROGRESS = {
-    "projects/08_vllm_plugin/pyproject.toml",
-    "projects/08_vllm_plugin/test_operator.py",
-    "projects/08_vllm_plugin/benchmark_operator.py",
-    "projects/09_engine/benchmark.py",
-}
-PROJECT_FILE = re.compile(r"^projects/\d\d_[a-z0-9_]+/[\w.]+\.(py|sh|toml)$")
 CREDENTIAL_VARS = ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET", "MODAL_CONFIG_PATH", "MODAL_PROFILE")
 
 
@@ -64,7 +57,6 @@ def test_imports_without_modal_and_builds_no_app(mod):
 def test_every_task_command_refers_to_files_in_the_tree(mod, task):
     steps = mod.plan(task, ROOT)
     assert steps and steps[-1].label == "summary"
-    pending = []
     for step in steps:
         assert step.timeout_s > 0 and step.log and not Path(step.log).is_absolute()
         for arg in step.argv:
@@ -74,13 +66,7 @@ def test_every_task_command_refers_to_files_in_the_tree(mod, task):
             if arg.startswith("kernel_lab."):  # python -m kernel_lab.x.y
                 assert arg.replace(".", "/") + ".py" in step.needs
         for path in step.needs:
-            if (ROOT / path).exists():
-                continue
-            assert path in IN_PROGRESS, f"{task}: {step.label} needs {path}, which does not exist"
-            assert PROJECT_FILE.match(path), path
-            pending.append(path)
-    if pending:
-        pytest.skip(f"being written by another engineer: {', '.join(sorted(set(pending)))}")
+            assert (ROOT / path).exists(), f"{task}: {step.label} needs {path}, which does not exist"
 
 
 def test_test_task_covers_every_project_and_writes_the_junit_files_the_summary_reads(mod):

@@ -81,10 +81,51 @@ def test_gpu_suite_script_is_valid_bash_and_uses_plain_python3():
 def test_paths_and_make_targets_quoted_in_docs_exist():
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("projects/*/README.md"))]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("projects/*/*.md")),
+            *sorted(ROOT.glob("projects/*/server/*.py")), *sorted(ROOT.glob("kernel_lab/**/*.py"))]
     for doc in docs:
         text = doc.read_text()
+        assert not re.search(r"(?<![\w/.])notes/", text), f"{doc.name} refers to notes/, which is not in the repository"
         for target in re.findall(r"`make ([a-z-]+)`", text):
             assert target in targets, f"{doc.name} quotes `make {target}`, which the Makefile lacks"
         for path in re.findall(r"`((?:tools|projects|kernel_lab|docs|results)/[\w./-]+\.(?:py|sh|md|cu|cpp))", text):
             assert (ROOT / path).exists(), f"{doc.name} refers to missing {path}"
+
+
+# The one-way flow of docs/architecture.md: what each core package may never import (at any depth,
+# function-level imports included).
+CORE_PACKAGES = ("engine", "models", "ops")
+FORBIDDEN_IN_CORE = ("transformers", "vllm", "kernel_lab.server", "kernel_lab.bench")
+
+
+def _imported_modules(source: str, package: str) -> set[str]:
+    """Every module a source file imports, relative imports resolved against `package`."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("package", CORE_PACKAGES)
+def test_core_packages_never_import_tools_servers_or_other_frameworks(package):
+    files = sorted((ROOT / "kernel_lab" / package).rglob("*.py"))
+    assert files
+    for path in files:
+        package_name = ".".join(path.relative_to(ROOT).parts[:-1])
+        for module in _imported_modules(path.read_text(), package_name):
+            bad = [f for f in FORBIDDEN_IN_CORE if module == f or module.startswith(f + ".")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {module}, against docs/architecture.md's import rules"
+
+
+def test_import_rule_check_sees_relative_and_nested_imports():
+    source = "def f():\n    from ..server import openai_api\n    import vllm.platforms\n    from . import config\n"
+    modules = _imported_modules(source, "kernel_lab.engine")
+    assert {"kernel_lab.server.openai_api", "vllm.platforms", "kernel_lab.engine.config"} <= modules

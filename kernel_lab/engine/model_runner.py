@@ -23,14 +23,12 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.llama import ModelConfig
-from kernel_lab.ops.kv_cache import check_slot_values
+from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
 from .sequence import Sequence
 
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass
@@ -42,11 +40,20 @@ class SampleResult:
     rank: int | None = None                                # the sampled token's rank (1 = most likely)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=cache_dtype).element_size()
-    data = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
-    scales = 2 * config.num_layers * config.num_kv_heads * 4 if cache_dtype == FP8_KV_DTYPE else 0
-    return data + scales
+@dataclass
+class StepInputs:
+    """One step's flat batch, decodes first: the token ids, positions and KV slots of every scheduled token;
+    per prefill chunk (first row, end row, cached tokens, offset in prefix_slots) with the slots of its
+    cached prefix; and the rows whose logits are sampled, with their sequences."""
+
+    decodes: list[tuple[Sequence, int]]
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    chunk_specs: list[tuple[int, int, int, int]]
+    prefix_slots: list[int]
+    sample_rows: list[int]
+    sample_seqs: list[Sequence]
 
 
 class ModelRunner:
@@ -84,7 +91,7 @@ class ModelRunner:
         self.k_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.kv_scales = None
-        if cache_dtype == FP8_KV_DTYPE:
+        if cache_dtype == FP8_DTYPE:
             self.kv_scales = torch.zeros((c.num_layers, 2, self.num_blocks, c.num_kv_heads), dtype=torch.float32,
                                          device=self.device)
         self.layer_caches = [
@@ -117,7 +124,7 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _prepare(self, items: list[tuple[Sequence, int]]):
+    def _prepare(self, items: list[tuple[Sequence, int]]) -> StepInputs:
         decodes = [(s, n) for s, n in items if n == 1]
         prefills = [(s, n) for s, n in items if n > 1]
         input_ids, positions, slots, sample_rows, sample_seqs = [], [], [], [], []
@@ -134,7 +141,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        return decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs
+        return StepInputs(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs)
 
     def _decode_tables(self, decodes, width: int | None = None):
         width = width or max(len(s.block_table) for s, _ in decodes)
@@ -162,32 +169,31 @@ class ModelRunner:
         """The device part of a step, with no host synchronisation: (logits of the sequences that will
         sample, those sequences)."""
         self.reset_fresh_blocks(fresh_blocks)
-        decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs = \
-            self._prepare(items)
-        if self.static_decode and not chunk_specs and len(decodes) <= self.max_num_seqs:
-            logits = self._run_static_decode(decodes, input_ids, positions, slots)
-            if len(sample_rows) != len(decodes):  # some rows were one-token chunks of a prompt
-                logits = logits[self._to_device("rows", sample_rows, torch.int64)]
+        step = self._prepare(items)
+        if self.static_decode and not step.chunk_specs and len(step.decodes) <= self.max_num_seqs:
+            logits = self._run_static_decode(step)
+            if len(step.sample_rows) != len(step.decodes):  # some rows were one-token chunks of a prompt
+                logits = logits[self._to_device("rows", step.sample_rows, torch.int64)]
         else:
-            logits = self._run_eager(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows)
-        return logits, sample_seqs
+            logits = self._run_eager(step)
+        return logits, step.sample_seqs
 
-    def _run_eager(self, decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows):
-        meta = AttentionMetadata(slot_mapping=self._to_device("slots", slots, torch.int64),
-                                 num_decode_tokens=len(decodes))
-        if decodes:
-            tables, lens = self._decode_tables(decodes)
+    def _run_eager(self, step: StepInputs):
+        meta = AttentionMetadata(slot_mapping=self._to_device("slots", step.slots, torch.int64),
+                                 num_decode_tokens=len(step.decodes))
+        if step.decodes:
+            tables, lens = self._decode_tables(step.decodes)
             meta.decode_block_tables = self._to_device("tables", tables, torch.int32)
             meta.decode_seq_lens = self._to_device("lens", lens, torch.int32)
-        if chunk_specs:
-            all_prefix = self._to_device("prefix", prefix_slots, torch.int64) if prefix_slots else None
-            for start, end, num_cached, offset in chunk_specs:
+        if step.chunk_specs:
+            all_prefix = self._to_device("prefix", step.prefix_slots, torch.int64) if step.prefix_slots else None
+            for start, end, num_cached, offset in step.chunk_specs:
                 prefix = all_prefix[offset:offset + num_cached] if num_cached else None
                 meta.prefills.append(PrefillChunk(start, end, num_cached, prefix))
         self._check_step_inputs(meta)
-        hidden = self.model(self._to_device("ids", input_ids, torch.int64),
-                            self._to_device("positions", positions, torch.int64), self.layer_caches, meta)
-        return self.model.compute_logits(hidden[self._to_device("rows", sample_rows, torch.int64)])
+        hidden = self.model(self._to_device("ids", step.input_ids, torch.int64),
+                            self._to_device("positions", step.positions, torch.int64), self.layer_caches, meta)
+        return self.model.compute_logits(hidden[self._to_device("rows", step.sample_rows, torch.int64)])
 
     def _check_step_inputs(self, meta: AttentionMetadata) -> None:
         """Slot and block-table values, checked once per step so the layers' kernels skip it. Host-side
@@ -219,7 +225,8 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.graph_sizes if b >= n)
 
-    def _run_static_decode(self, decodes, input_ids, positions, slots) -> torch.Tensor:
+    def _run_static_decode(self, step: StepInputs) -> torch.Tensor:
+        decodes, input_ids, positions, slots = step.decodes, step.input_ids, step.positions, step.slots
         n = len(decodes)
         size = self._bucket(n)
         pad = size - n

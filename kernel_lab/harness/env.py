@@ -12,6 +12,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def interpreter_active() -> bool:
+    """Whether Triton kernels run through Triton's interpreter (TRITON_INTERPRET=1), read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _version(dist: str) -> str | None:
     try:
         return _md.version(dist)

@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 
 import torch
+
+from .env import interpreter_active
 
 # (relative L2, max-abs relative to the reference's max magnitude) per output dtype, for elementwise or
 # row-reduction kernels that compute in fp32. Matmul-like kernels scale these with sqrt(K).
@@ -22,10 +23,6 @@ TOLERANCES = {
     torch.float16: (1e-3, 2e-3),
     torch.bfloat16: (8e-3, 1.6e-2),
 }
-
-
-def interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def case_seed(*parts) -> int:

@@ -261,3 +261,25 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return full_text[len(prefix_text):]
         return ""
+
+
+class TokenIdsOnly:
+    """The tokenizer of a random-weight model: prompts are token ids and nothing is detokenised."""
+
+    chat_template_source = None
+    all_special_ids: set[int] = set()
+
+    def __init__(self, hf_config: dict):
+        eos = hf_config.get("eos_token_id")
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.bos_token_id = hf_config.get("bos_token_id")
+        self.vocab_size = int(hf_config["vocab_size"])
+
+    def encode(self, text, add_special_tokens=True):
+        raise TypeError("a random-weight model has no tokenizer: pass prompts as token ids")
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        raise TypeError("a random-weight model has no chat template")

@@ -7,17 +7,14 @@ The variable is read at call time, so a test can switch a CPU caller back to the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 
+from kernel_lab.harness.env import interpreter_active
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def use_triton(t: torch.Tensor) -> bool:

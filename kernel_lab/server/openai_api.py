@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API: routes, request schemas, and OpenAI-shaped errors.
+"""OpenAI-compatible HTTP API: the routes and their streaming (schemas and errors: protocol.py).
 
     POST /v1/completions        legacy completions (prompt: text, texts, token ids, or lists of token ids)
     POST /v1/chat/completions   chat, through the model's chat template
@@ -9,8 +9,10 @@
 Both generation routes stream (Server-Sent Events ending in `data: [DONE]`, with
 `stream_options.include_usage`) or answer in one JSON body. Handlers never touch the engine: they tokenize,
 validate, submit to the AsyncEngine and read snapshots from its stream. Text deltas are computed here
-from the engine's cumulative text, holding back a tail that could still become a stop string or that ends
-in an unfinished UTF-8 character, so the concatenated stream always equals the non-streamed text.
+from the engine's cumulative text, holding back a tail that could still become a stop string (by the
+engine's own rule, `engine.output_processor.stop_holdback`, which also covers engines that do not hold
+back themselves) or that ends in an unfinished UTF-8 character, so the concatenated stream always equals
+the non-streamed text.
 
 Error statuses: 400 malformed JSON / bad parameter / prompt too long, 401 bad key, 404 unknown model or
 route, 429 (with Retry-After) waiting queue full, 500 engine failure, 503 model still loading.
@@ -27,205 +29,30 @@ import logging
 import math
 import time
 import uuid
-from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kernel_lab.engine.output_processor import stop_holdback
+
 from .async_engine import AsyncEngine, EngineDead, EngineNotReady, QueueFull, RequestRejected, RequestSnapshot
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    StreamOptions,
+    bad_request,
+    engine_error,
+    validation_message,
+)
 
 log = logging.getLogger("kernel_lab.server")
 
-MAX_LOGPROBS = 20
-MAX_N = 128
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # JSON has no infinities; OpenAI reports a logprob too small to represent as this value.
 LOGPROB_FLOOR = -9999.0
-
-
-# ====================================================================== schemas
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data):
-        # OpenAI's API treats an explicit null like an absent field.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class StreamOptions(_Strict):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
-
-
-StopField = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
-    | None
-)
-
-
-class _SamplingFields(_Strict):
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 turns it off")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: StopField = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value):
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported by this server; leave them unset or 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
-
-
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: (
-        Annotated[str, Field()]
-        | Annotated[list[str], Field(min_length=1)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1)]
-    )
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-    suffix: str | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported by this server")
-        return value
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tool calling is not supported by this server")
-        return value
-
-
-# ====================================================================== errors
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
-
-
-def _engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, EngineNotReady):
-        return APIError(503, str(exc), type="server_error", code="model_loading", headers={"Retry-After": "5"})
-    if isinstance(exc, QueueFull):
-        return APIError(
-            429,
-            f"{exc}; retry after {exc.retry_after_s} s",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(exc.retry_after_s)},
-        )
-    if isinstance(exc, RequestRejected):
-        return bad_request(str(exc))
-    if isinstance(exc, EngineDead):
-        return APIError(500, str(exc), type="server_error", code="engine_dead")
-    log.exception("unexpected error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
 class BearerAuth:
@@ -268,17 +95,6 @@ def _logprob_items(entry) -> list[tuple[int, float]]:
     return items
 
 
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """How many trailing characters of `text` could still be the start of a stop string."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
 class _ChoiceCursor:
     """What has been sent of one choice: characters and tokens, for delta computation."""
 
@@ -293,7 +109,7 @@ class _ChoiceCursor:
     def advance(self, text: str, final: bool, stops: list[str]) -> str:
         limit = len(text)
         if not final:
-            limit -= _stop_holdback(text, stops)
+            limit -= stop_holdback(text, stops)
             while limit > self.sent_chars and text[limit - 1] == "\ufffd":
                 limit -= 1  # an unfinished multi-byte character: wait for the rest
         if limit <= self.sent_chars:
@@ -410,7 +226,7 @@ class OpenAIServer:
             )
         return requested
 
-    def _sampling_kwargs(self, body: _SamplingFields, max_tokens: int, logprobs: int | None) -> dict:
+    def _sampling_kwargs(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> dict:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return dict(
             n=body.n,
@@ -435,7 +251,7 @@ class OpenAIServer:
                     job.stream.close()
             if isinstance(exc, QueueFull):
                 self.engine.metrics.on_rejected("queue_full")
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
 
     # ---------------------------------------------------------------- collection
     @staticmethod
@@ -456,7 +272,7 @@ class OpenAIServer:
         try:
             await asyncio.gather(*(drain(job) for job in jobs))
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         finally:
             gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None and watcher.result()
             watcher.cancel()
@@ -719,7 +535,7 @@ class OpenAIServer:
         try:
             self.engine.check_ready()
         except (EngineNotReady, EngineDead) as exc:
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
 
     def _sse(self, events, jobs: list[_Job]) -> StreamingResponse:
         async def guarded():
@@ -729,10 +545,10 @@ class OpenAIServer:
             except APIError as exc:
                 yield _sse_event(exc.body())
             except (EngineDead, RequestRejected, QueueFull, EngineNotReady) as exc:
-                yield _sse_event(_engine_error(exc).body())
+                yield _sse_event(engine_error(exc).body())
             except Exception as exc:  # noqa: BLE001 - headers are gone; report in-band
                 log.exception("error while streaming")
-                yield _sse_event(_engine_error(exc).body())
+                yield _sse_event(engine_error(exc).body())
             finally:
                 # also reached when the client disconnects (the task is cancelled): abort what still runs
                 for job in jobs:
@@ -818,7 +634,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return bad_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -828,7 +644,7 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
-        return _engine_error(exc).response()
+        return engine_error(exc).response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):

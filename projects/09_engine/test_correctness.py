@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from kernel_lab.engine import LLM, LLMEngine, SamplingParams
-from kernel_lab.engine.testing import one_intra_op_thread
 from kernel_lab.models.loader import resolve_model_dir
 
 NEW_TOKENS = 64
@@ -57,10 +56,7 @@ ENGINE_KWARGS = dict(dtype="float32", device="cpu", max_model_len=512, max_num_s
                      max_num_batched_tokens=128, block_size=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    with one_intra_op_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _in_reference_mode(fn):
@@ -172,7 +168,7 @@ def test_one_token_budget_steps_match(reference_only, engine_run):
 
     def recording_prepare(items):
         prepared = prepare(items)
-        decodes, chunk_specs, sample_rows = prepared[0], prepared[4], prepared[6]
+        decodes, chunk_specs, sample_rows = prepared.decodes, prepared.chunk_specs, prepared.sample_rows
         seen.append(not chunk_specs and len(sample_rows) < len(decodes))
         return prepared
 

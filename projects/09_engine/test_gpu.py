@@ -57,7 +57,7 @@ def test_decode_step_has_no_host_sync(graphs_engine):
         results = engine.runner._sample(logits, seqs)
         engine.scheduler.update_computed(batch)
         for r in results:
-            engine._append_token(r)
+            engine.output_processor.append_token(r)
     for i in range(3):
         engine.abort_request(f"sync-{i}")
     assert engine.stats()["num_kv_blocks_free"] == engine.stats()["num_kv_blocks_total"]

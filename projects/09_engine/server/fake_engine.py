@@ -1,6 +1,7 @@
-"""A tiny, deterministic stand-in for `kernel_lab.engine.LLMEngine`, written to the interface in
-notes/engine_interface.md, so the server's tests can exercise every path (queues, aborts, stop strings,
-n > 1, seeds, logprobs, KV accounting) in milliseconds and without a model.
+"""A tiny, deterministic stand-in for `kernel_lab.engine.LLMEngine` (the same add_request / abort_request /
+step / stats interface and the same outputs, `kernel_lab.engine.outputs`), so the server's tests can exercise
+every path (queues, aborts, stop strings, n > 1, seeds, logprobs, KV accounting) in milliseconds and without
+a model.
 
 The "model" is a character-level language: a token is one printable ASCII character (ids 3..97) plus
 three specials (0 pad, 1 bos, 2 eos). Greedy decoding spells out a fixed sentence starting at an offset
@@ -15,7 +16,9 @@ import random
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kernel_lab.engine.outputs import CompletionOutput, RequestOutput
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_CHAR, LAST_CHAR = 32, 126  # printable ASCII
@@ -78,28 +81,6 @@ class FakeSamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
 
 
 # Fixed candidate distribution for sampling: characters of the sentence, the first the most likely.

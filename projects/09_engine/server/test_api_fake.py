@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from kernel_lab.server.openai_api import _ChoiceCursor, _stop_holdback
+from kernel_lab.engine.output_processor import stop_holdback
+from kernel_lab.server.openai_api import _ChoiceCursor
 
 MSG = [{"role": "user", "content": "hello there"}]
 # One client for the module: building an httpx client (its SSL context) costs more than a request.
@@ -32,11 +33,11 @@ def sse_events(response: httpx.Response) -> list:
 
 # ----------------------------------------------------------------------------- unit: delta hold-back
 def test_stop_holdback_is_the_longest_partial_stop_suffix():
-    assert _stop_holdback("abc lazy do", ["dog"]) == 2
-    assert _stop_holdback("abc l", ["lazy", "xyz"]) == 1
-    assert _stop_holdback("abc la", ["lazy", "a"]) == 2
-    assert _stop_holdback("abc", ["lazy"]) == 0
-    assert _stop_holdback("abc", []) == 0
+    assert stop_holdback("abc lazy do", ["dog"]) == 2
+    assert stop_holdback("abc l", ["lazy", "xyz"]) == 1
+    assert stop_holdback("abc la", ["lazy", "a"]) == 2
+    assert stop_holdback("abc", ["lazy"]) == 0
+    assert stop_holdback("abc", []) == 0
 
 
 def test_cursor_never_emits_a_partial_stop_or_partial_character():

@@ -1,0 +1,209 @@
+"""What the OpenAI-compatible server accepts and how it refuses: request schemas (pydantic, unknown fields
+rejected, explicit nulls meaning "default"), the OpenAI-shaped error type, and the mapping from engine
+exceptions and validation failures to status codes and messages.
+
+Supported: /v1/completions and /v1/chat/completions with temperature, top_p, top_k, seed, stop (up to 16
+strings), stop_token_ids, n (up to 128), stream and stream_options, ignore_eos, logprobs (up to 20),
+max_tokens / max_completion_tokens, echo (without logprobs). Refused with 400: penalties, logit_bias,
+suffix, tools, best_of other than n, response formats other than text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kernel_lab.engine.sampling_params import MAX_LOGPROBS
+
+from .async_engine import EngineDead, EngineNotReady, QueueFull, RequestRejected
+
+log = logging.getLogger("kernel_lab.server")
+
+MAX_N = 128
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+# ====================================================================== schemas
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # OpenAI's API treats an explicit null like an absent field.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+StopField = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
+    | None
+)
+
+
+class SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 turns it off")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopField = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value):
+        if value not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported by this server; leave them unset or 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field()]
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not supported by this server")
+        return value
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool calling is not supported by this server")
+        return value
+
+
+# ====================================================================== errors
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineNotReady):
+        return APIError(503, str(exc), type="server_error", code="model_loading", headers={"Retry-After": "5"})
+    if isinstance(exc, QueueFull):
+        return APIError(
+            429,
+            f"{exc}; retry after {exc.retry_after_s} s",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, RequestRejected):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineDead):
+        return APIError(500, str(exc), type="server_error", code="engine_dead")
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
