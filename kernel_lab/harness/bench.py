@@ -7,6 +7,7 @@ mean that one preempted call can drag.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
@@ -188,3 +189,17 @@ def inputs_for_rotation(bytes_per_set: int, l2_bytes: int | None = None, max_set
     if bytes_per_set <= 0:
         return 1
     return int(max(1, min(max_sets, -(-2 * l2_bytes // bytes_per_set))))
+
+
+def benchmark_cli(description: str, argv: Sequence[str] | None = None,
+                  add_arguments: Callable | None = None) -> tuple[argparse.Namespace, torch.device]:
+    """The command line every project benchmark shares: `--quick` (the subset tools/gpu_suite.sh runs),
+    `--out DIR` (write JSON result records there), plus whatever `add_arguments(parser)` adds. Returns the
+    parsed arguments and the device to time on (the GPU when there is one)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
+    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    return args, torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,7 +10,6 @@ to cuBLAS on the same shape in the same run (x cuBLAS = cuBLAS time / our time; 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import matmul  # noqa: E402
@@ -160,15 +159,14 @@ def _headline(rec: ResultRecord, dname: str) -> None:
         rec.set_headline(f"gemm {dname}: " + "; ".join(parts), baseline=CUBLAS, **values)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
-    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+def _add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--variants", action="store_true",
                         help="also time the persistent and tiled Triton kernels on the square sizes")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv=None) -> int:
+    args, device = benchmark_cli(__doc__, argv, _add_arguments)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     run(device, args.quick, args.out, dtype, variants=args.variants)
     return 0

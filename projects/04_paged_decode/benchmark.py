@@ -11,7 +11,6 @@ Pages are a random permutation of the pool, so no two consecutive blocks are adj
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernel_lab.harness.bench import benchmark as _benchmark  # noqa: E402
-from kernel_lab.harness.bench import inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark_cli, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import error_report  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, paged_decode_attention  # noqa: E402
@@ -169,11 +168,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
-    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device = benchmark_cli(__doc__, argv)
     run(device, args.quick, args.out, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     return 0
 

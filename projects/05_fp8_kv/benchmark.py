@@ -10,7 +10,6 @@ write_kv: mean and max abs, relative L2). Storage saved counts K and V bytes plu
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kernel_lab.harness.bench import benchmark_cli  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, paged_decode_attention, write_kv  # noqa: E402
 from kernel_lab.ops.kv_cache import FP8_DTYPE, kv_cache_bytes  # noqa: E402
@@ -120,11 +120,8 @@ def run(device: torch.device, quick: bool, out: str | None) -> ResultRecord:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
-    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
-    args = parser.parse_args(argv)
-    run(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.quick, args.out)
+    args, device = benchmark_cli(__doc__, argv)
+    run(device, args.quick, args.out)
     return 0
 
 

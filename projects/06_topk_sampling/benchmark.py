@@ -14,7 +14,6 @@ of tokens, which is the rejection path's hard case: it needs one extra pass per 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import sample, topk  # noqa: E402
 
@@ -154,11 +153,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
-    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, device = benchmark_cli(__doc__, argv)
     with torch.no_grad():
         run(device, args.quick, args.out)
     return 0

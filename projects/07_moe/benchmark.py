@@ -16,7 +16,6 @@ between the GEMMs instead of in the first GEMM's epilogue.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import moe  # noqa: E402
@@ -185,13 +184,12 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     return records
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the subset tools/gpu_suite.sh runs")
-    parser.add_argument("--out", help="directory to write JSON result records into (e.g. results)")
+def _add_arguments(parser) -> None:
     parser.add_argument("--tiles", action="store_true", help="also time every tile config (printed, not recorded)")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv=None) -> int:
+    args, device = benchmark_cli(__doc__, argv, _add_arguments)
     with torch.no_grad():
         run(device, args.quick, args.out, tiles=args.tiles)
     return 0
