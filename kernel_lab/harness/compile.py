@@ -4,7 +4,9 @@ ptxas register/spill report.
 Triton kernels are compiled in a child process with TRITON_INTERPRET unset, because a kernel decorated
 under the interpreter (as every kernel is in the CPU test process) cannot be handed to the compiler.
 The harness does not know any kernel: an ops module exposes `compile_specs()`, a list of CompileSpec, and
-`compile_module("kernel_lab.ops.rmsnorm", targets)` compiles each one for each target.
+`compile_module("kernel_lab.ops.rmsnorm", targets)` compiles each one for each target. A module whose
+kernels are not Triton (the CuTe DSL GEMM) exposes `compile_artifacts(arch, out_dir, only)` instead and goes
+through the same child process (`start_compile_child` / `finish_compile_child`).
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ def compile_triton(spec: CompileSpec, capability: int) -> dict:
 def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path) -> None:
     mod = importlib.import_module(module)
     summary = []
+    if not hasattr(mod, "compile_specs"):
+        for cap in targets:
+            summary += mod.compile_artifacts(arch_name(cap), str(out_dir), only)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return
     for spec in mod.compile_specs():
         if only and spec.name != only:
             continue
@@ -155,21 +162,41 @@ def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
+def start_compile_child(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None,
+                        env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start compiling `module` for `targets` in a child process without the interpreter, with `env` added
+    to the environment; return its Popen for `finish_compile_child`. Starting early overlaps other work."""
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="kl-compile-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+    cmd = [sys.executable, "-W", "ignore", "-m", "kernel_lab.harness.compile", "--child", module, "--out",
+           str(out_dir), "--targets", ",".join(str(t) for t in targets)] + (["--only", only] if only else [])
+    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.module, proc.out_dir = module, out_dir
+    return proc
+
+
+def finish_compile_child(proc: subprocess.Popen, timeout: int = 900) -> list[dict]:
+    """Wait for `start_compile_child`'s process; return its summary (one entry per kernel and target)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {proc.module} failed:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    return json.loads((proc.out_dir / "summary.json").read_text())
+
+
 def compile_module(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None) -> dict:
     """Compile every CompileSpec of `module` for `targets` in a child process without the interpreter.
 
     Returns {(name, target): {"registers", "spill_stores", "spill_loads", "ptx", "sass", ...}}.
     """
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="kl-compile-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "kernel_lab.harness.compile", "--child", module, "--out", str(out_dir),
-           "--targets", ",".join(str(t) for t in targets)] + (["--only", only] if only else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {module} failed:\n{proc.stdout}\n{proc.stderr}")
+    proc = start_compile_child(module, targets, only, out_dir)
+    summary, out_dir = finish_compile_child(proc), proc.out_dir
     results = {}
-    for entry in json.loads((out_dir / "summary.json").read_text()):
+    for entry in summary:
         stem = out_dir / entry["files"]
         entry["ptx"] = stem.with_name(stem.name + ".ptx").read_text()
         entry["sass"] = stem.with_name(stem.name + ".sass").read_text()

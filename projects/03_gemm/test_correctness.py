@@ -248,7 +248,7 @@ def compiled(tmp_path_factory):
         raise
     cute_results = None
     if cute_child is not None:
-        from kernel_lab.ops.gemm_cute import finish_compile_child
+        from kernel_lab.harness.compile import finish_compile_child
 
         cute_results = finish_compile_child(cute_child)
     return triton_results, cute_results
