@@ -203,3 +203,15 @@ def benchmark_cli(description: str, argv: Sequence[str] | None = None,
         add_arguments(parser)
     args = parser.parse_args(argv)
     return args, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def benchmark_main(description: str, run: Callable, argv: Sequence[str] | None = None,
+                   add_arguments: Callable | None = None, run_options: Callable | None = None,
+                   no_grad: bool = False) -> int:
+    """A project benchmark's entry point: parse `benchmark_cli`'s flags, then call
+    `run(device, quick, out, **run_options(args, device))`, under torch.no_grad() when asked."""
+    args, device = benchmark_cli(description, argv, add_arguments)
+    options = run_options(args, device) if run_options is not None else {}
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        run(device, args.quick, args.out, **options)
+    return 0

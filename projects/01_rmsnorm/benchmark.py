@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernel_lab.ops.rmsnorm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
@@ -107,11 +107,5 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     return [bw, lat]
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv)
-    run(device, args.quick, args.out)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run))

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import matmul  # noqa: E402
@@ -165,12 +165,9 @@ def _add_arguments(parser) -> None:
                         help="also time the persistent and tiled Triton kernels on the square sizes")
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv, _add_arguments)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    run(device, args.quick, args.out, dtype, variants=args.variants)
-    return 0
+def _run_options(args, device) -> dict:
+    return {"dtype": torch.bfloat16 if args.dtype == "bf16" else torch.float16, "variants": args.variants}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run, add_arguments=_add_arguments, run_options=_run_options))

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernel_lab.harness.bench import benchmark as _benchmark  # noqa: E402
-from kernel_lab.harness.bench import benchmark_cli, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import error_report  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, paged_decode_attention  # noqa: E402
@@ -167,11 +167,6 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     return record
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv)
-    run(device, args.quick, args.out, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run, run_options=lambda args, device: {
+        "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32}))

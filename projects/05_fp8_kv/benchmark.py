@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark_cli  # noqa: E402
+from kernel_lab.harness.bench import benchmark_main  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, paged_decode_attention, write_kv  # noqa: E402
 from kernel_lab.ops.kv_cache import FP8_DTYPE, kv_cache_bytes  # noqa: E402
@@ -119,11 +119,5 @@ def run(device: torch.device, quick: bool, out: str | None) -> ResultRecord:
     return record
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv)
-    run(device, args.quick, args.out)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run))

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import sample, topk  # noqa: E402
 
@@ -152,12 +152,5 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     return records
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv)
-    with torch.no_grad():
-        run(device, args.quick, args.out)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run, no_grad=True))

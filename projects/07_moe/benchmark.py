@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernel_lab.harness.bench import benchmark, benchmark_cli, inputs_for_rotation  # noqa: E402
+from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import moe  # noqa: E402
@@ -188,12 +188,6 @@ def _add_arguments(parser) -> None:
     parser.add_argument("--tiles", action="store_true", help="also time every tile config (printed, not recorded)")
 
 
-def main(argv=None) -> int:
-    args, device = benchmark_cli(__doc__, argv, _add_arguments)
-    with torch.no_grad():
-        run(device, args.quick, args.out, tiles=args.tiles)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(benchmark_main(__doc__, run, add_arguments=_add_arguments,
+                                    run_options=lambda args, device: {"tiles": args.tiles}, no_grad=True))
