@@ -1,16 +1,6 @@
-"""Paged KV blocks: reference counts, prefix caching by hash-chaining full blocks, LRU eviction.
-
-Every sequence owns a block table: block i holds its tokens [i*block_size, (i+1)*block_size). A block is
-referenced by every sequence whose table lists it; it returns to the free list when the count reaches 0.
-
-Prefix caching: once a block is full and its K/V computed, it is registered under
-`hash((hash of the previous block, its token ids))`, so the hash names the whole prefix up to and including
-that block. A new sequence whose leading blocks hash the same (and whose tokens compare equal) reuses them
-instead of recomputing them. A registered block that nobody references stays in the free list with its
-contents, and is revived if a later prompt asks for it; when a fresh block is needed, the free list gives
-its least recently freed block (LRU), and if that block was registered it is evicted from the cache.
-Shared blocks are always full, and full blocks are never written again, so sharing never lets one
-sequence overwrite another's K/V.
+"""Paged KV blocks: reference counts, prefix caching by hash-chaining full blocks, LRU eviction. Block i of a
+sequence's block table holds its tokens [i*block_size, (i+1)*block_size). The design, and why sharing can
+never let one sequence overwrite another's K/V: projects/09_engine/README.md, "Prefix caching".
 """
 
 from __future__ import annotations

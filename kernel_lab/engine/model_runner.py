@@ -1,17 +1,7 @@
 """Runs one scheduled step on the device: builds the flat batch (token ids, positions, slot_mapping, block
-tables), runs the model, and samples.
-
-KV cache: the paged layout of projects 04/05. One allocation per K and V,
-`[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, and each layer gets a view; with
-kv_cache_dtype="fp8" the pages are float8_e4m3fn with one float32 scale per page and KV head. Blocks handed
-out empty by the block manager get their fp8 scales reset to 0 ("no data yet") before anything is
-written to them, as the write policy of `write_kv` requires.
-
-On CUDA, decode-only steps (the steady state) replay CUDA graphs captured for bucketed batch sizes:
-the inputs are copied into static buffers, padded to the bucket with rows that write nothing (slot -1)
-and attend to nothing (length 0). Inputs travel through pinned staging buffers with asynchronous copies,
-so the only host synchronisation in a step is reading the sampled tokens. Prefill and mixed steps run
-eagerly. On CPU the same code runs through kernel_lab.ops' reference path.
+tables), runs the model (eagerly, or by replaying a CUDA graph for decode-only steps), and samples. It owns
+the paged KV cache. The design: projects/09_engine/README.md, "Paged KV cache", "The step on the device"
+and "CUDA".
 """
 
 from __future__ import annotations

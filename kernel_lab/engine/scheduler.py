@@ -1,15 +1,6 @@
-"""Continuous batching: which sequences run in the next step, and how many of their tokens.
-
-Each step has a token budget (`max_num_batched_tokens`). Running sequences come first, in arrival order:
-a decoding sequence takes one token, a sequence still in its prompt takes the next chunk that fits
-(chunked prefill). Then waiting sequences are admitted in arrival order (FCFS: one that does not fit
-blocks the ones behind it) while the budget, `max_num_seqs` and the KV pool allow, each starting from
-its cached prefix. So one step mixes prefill chunks and decode tokens.
-
-When a running sequence needs a block and the pool is empty, the most recently arrived running sequence
-is preempted: its blocks are released and it goes back to the front of the waiting queue, to be
-recomputed (prompt + tokens generated so far) when there is room. Its full blocks usually survive in the
-prefix cache, so recomputation is often cheap.
+"""Continuous batching: which sequences run in the next step, and how many of their tokens (chunked prefill
+under a token budget, FCFS admission, preemption by recompute). The policy: projects/09_engine/README.md,
+"Scheduling".
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Project 03, CuTe DSL, Ampere: `Sm80Gemm`, an `mma.sync` GEMM for sm_80, sm_86, sm_89 and, unchanged, sm_90.
-fp16/bf16 in, fp32 accumulate, C in the input dtype. 128x128x32 CTA tile, 4 warps in a 2x2 arrangement, a
-multistage cp.async pipeline global -> shared, `ldmatrix` shared -> registers, `mma.sync.m16n8k16` with fp32
-accumulators, and an epilogue that stages the tile through shared memory so that global stores are 128-bit
-and row-coalesced. Host side and dispatch: gemm_cute.py.
+"""Project 03, CuTe DSL, Ampere: `Sm80Gemm`, an `mma.sync` GEMM for sm_80, sm_86, sm_89 (and, unchanged,
+sm_90). Its design (layouts, swizzles, pipeline, K residue, epilogue) is described once, in
+projects/03_gemm/README.md; host side and dispatch: gemm_cute.py.
 """
 
 from __future__ import annotations
@@ -17,18 +15,7 @@ STAGES_SM80 = 4
 
 
 class Sm80Gemm(CuteGemm):
-    """mma.sync GEMM: one CTA per 128x128 output tile, 4 warps, STAGES_SM80-deep cp.async pipeline.
-
-    Layouts:
-    - Shared A/B tiles are (128, 32, STAGES) built from swizzled 8x32 (K-major) or 64x8 (M/N-major) atoms:
-      16-byte chunks stay contiguous for cp.async, and the XOR swizzle spreads the eight rows one
-      `ldmatrix` reads across all 32 banks.
-    - The tiled MMA is 2x2 warps of m16n8k16 atoms, with N permuted to 32 so each warp's B fragment is one
-      `ldmatrix.x4`; each warp covers 64x64 of the tile (4 x 8 atoms), 128 fp32 accumulators per thread.
-    K residue: the first K tile is shifted back so that it holds the partial slice; its out-of-range
-    columns are never copied (predicated off) and stay at the zero the stage buffer was cleared to, so the
-    main loop runs only full tiles. Rows beyond M/N are predicated off in every tile the same way.
-    """
+    """mma.sync GEMM: one CTA per 128x128 output tile, 4 warps, STAGES_SM80-deep cp.async pipeline."""
 
     def __init__(self, a_k_major: bool, b_k_major: bool):
         super().__init__(a_k_major, b_k_major)

@@ -1,7 +1,6 @@
-"""Project 03, CuTe DSL, Hopper: `Sm90Gemm`, a `wgmma` GEMM for sm_90a. fp16/bf16 in, fp32 accumulate, C in
-the input dtype. 128xTILE_Nx64 CTA tile, TMA bulk copies into 128-byte-swizzled shared memory tracked by an
-mbarrier pipeline, one or two consumer warpgroups issuing asynchronous `wgmma.mma_async` straight from
-shared memory, and a TMA-store epilogue. Host side and dispatch: gemm_cute.py.
+"""Project 03, CuTe DSL, Hopper: `Sm90Gemm`, a `wgmma` GEMM with TMA loads and stores for sm_90a. Its design
+(tiling, swizzled layouts, mbarrier pipeline, epilogue) is described once, in projects/03_gemm/README.md;
+host side and dispatch: gemm_cute.py.
 """
 
 from __future__ import annotations
@@ -19,21 +18,7 @@ SM90_EPI_STAGES = 4
 
 
 class Sm90Gemm(CuteGemm):
-    """wgmma GEMM: one CTA per 128 x tile_n output tile, two consumer warpgroups (64 rows each).
-
-    Layouts and data movement:
-    - A (M, K) and B (N, K) reach shared memory only through TMA: one bulk tensor copy per operand per K
-      tile, into 128-byte-swizzled (K-major or MN-major, whichever the operand is) layouts that wgmma reads
-      directly through shared-memory descriptors. TMA zero-fills rows/columns beyond M, N and K, so there is
-      no predication anywhere in the main loop.
-    - Pipeline: `stages` buffers (as many as fit in shared memory), each with a "full" mbarrier (TMA
-      transaction bytes) and an "empty" mbarrier (one arrive per consumer warp). Warp 0 issues the copies;
-      all eight warps wait on "full", issue the tile's four k16 wgmmas asynchronously, and keep one group
-      in flight: a stage is released (and refilled with the tile `stages` ahead) only after the *previous*
-      tile's wgmmas have retired.
-    - Epilogue: accumulators -> output dtype -> `stmatrix` into a swizzled (128, 32) staging buffer (4 deep,
-      reusing the A stages) -> TMA store, which also clips the tile at M and N.
-    """
+    """wgmma GEMM: one CTA per 128 x tile_n output tile, two consumer warpgroups (64 rows each), TMA in and out."""
 
     def __init__(self, a_k_major: bool, b_k_major: bool, tile_n: int = 256):
         super().__init__(a_k_major, b_k_major)

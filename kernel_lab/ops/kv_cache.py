@@ -13,26 +13,10 @@ Contract (shared with the engine)
   `[tokens, num_kv_heads, head_dim]`; `slot_mapping` int64 `[tokens]` = `block * block_size + offset`;
   a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
 
-FP8 write policy (power-of-two page scales, requantise on growth)
------------------------------------------------------------------
-Every page scale written by `write_kv` is a power of two: the smallest `2**k >= amax / 448` (at least
-2**-126), where amax is the largest |x| the page and head has ever received. One call works per page and
-head, independent of token order inside the call:
-
-1. `new_scale = max(old_scale, pow2_scale(amax of this call's tokens for the page))`.
-2. If `new_scale > old_scale`, every element already in the page is requantised once:
-   `fp8(old_fp8 * (old_scale / new_scale))`, round to nearest even. A page whose old scale is 0.0 holds no
-   data, so it is zero-filled instead (clearing whatever bytes were there).
-3. The new tokens are quantised with `new_scale`: `fp8(clamp(x / new_scale, -448, 448))`, round to nearest
-   even.
-
-Why this meets `|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9` in any write order: the first
-quantisation errs by at most half an E4M3 ulp, which is <= 2**-4 * |x| for normal values and <= 2**-10 * s1
-in the subnormal range. Scaling an E4M3 value by a power of two is exact unless the result becomes
-subnormal, where it rounds by at most 2**-10 of the new scale. Scales at least double at each growth, so all
-later roundings sum to < 2**-10 * (s2 + s3 + ... + sn) < 2**-10 * sn, and with the first error the total
-stays below `2**-4 * |x| + 2**-9 * sn` for the page's final scale sn. Power-of-two scales also make
-`x / scale` and `fp8 * scale` exact in fp32, so the CUDA kernel and this reference agree bit for bit.
+FP8 write policy: every page scale `write_kv` writes is the smallest power of two >= amax / 448 (at least
+2**-126) over everything the page and head has received; a page whose scale grows is requantised once, and
+`|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9` holds in any write order. The policy step by step
+and why the bound holds: projects/05_fp8_kv/README.md.
 Pages whose scale was set outside `write_kv` to a non-power-of-two keep working (the scale never shrinks),
 but the bound is only guaranteed for scales `write_kv` manages. Non-finite inputs are not supported.
 
