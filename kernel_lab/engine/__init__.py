@@ -5,9 +5,10 @@
     llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
 """
 
+from .config import EngineConfig
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
