@@ -2,26 +2,8 @@
 
     C[M, N] = A[M, K] @ B[K, N]       fp16 or bf16 inputs, fp32 accumulation, C in the input dtype
 
-Work: 2*M*N*K FLOPs. Minimum traffic: (M*K + K*N + M*N) * 2 bytes. With 128x128 output tiles each K step
-loads (128 + 128) * BK elements for 2 * 128 * 128 * BK FLOPs, i.e. 128 FLOPs per loaded element: far above
-an H200's ~ 200 FLOP/byte ridge, so square GEMMs are tensor-core bound, while M = 1..16 (decode) is bound
-by reading B once.
-
-Any strides are accepted. The pointer kernels read A and B through (stride_m, stride_k) / (stride_k,
-stride_n), so `matmul(x, w.t())` reads an [N, K] weight in place; Triton's JIT specialises unit strides,
-which keeps 128-bit loads on the contiguous side of either layout.
-
-Three Triton kernels:
-- `_matmul_kernel`: one program per output tile, tiles visited in GROUP_M-tall column groups (grouped
-  ordering) so that consecutive programs share A row-panels and B column-panels in L2. Autotuned on CUDA
-  over a short config list that is pruned by M (decode-sized M gets 16/32-row tiles).
-- `_matmul_persistent_kernel`: the same tile loop, but a grid of one program per SM that walks the tile
-  sequence with a stride of the grid size (no tail wave of partially-filled launches, no per-tile launch
-  cost).
-- `_matmul_tma_kernel` (sm_90+): A, B and C move through host-built TMA tensor descriptors (bulk async
-  copies into swizzled shared memory, out-of-bounds rows/columns zero-filled on load and clipped on store),
-  and Triton lowers the dot to warpgroup MMA (wgmma / HGMMA). A transposed operand is described by its
-  contiguous view and transposed after the load, so the [N, K] weight layout stays copy-free here too.
+Any strides are accepted: `matmul(x, w.t())` reads an [N, K] weight in place. The traffic model and the
+three Triton kernels (tiled, persistent, TMA): projects/03_gemm/README.md.
 """
 
 from __future__ import annotations

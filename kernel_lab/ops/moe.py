@@ -6,26 +6,8 @@
 Shapes: x [T, H], w_gate_up [E, 2*I, H] (gate rows, then up rows), w_down [E, H, I],
 router_logits [T, E]. FLOPs: 6 * T * top_k * H * I (two GEMMs, 2*I and H output columns).
 
-The pipeline, one step per function below:
-1. `route`:  fp32 softmax, top-k, renormalise (a handful of tiny torch ops).
-2. `align`:  the T*top_k (token, expert) assignments are sorted by expert and each expert's segment is
-   padded to a multiple of the GEMM tile height BLOCK_M. The result is a list of row blocks, each
-   owned by one expert. Experts that no token chose own no block. The number of blocks has a bound
-   that needs no host synchronisation, (A + U*(BLOCK_M-1)) // BLOCK_M with A = T*top_k assignments
-   and U = min(E, A) experts that can possibly be used, and the GEMM grid is sized by that bound, not
-   by E: one decode token with top-2 launches 2 row blocks whether E is 8 or 256. Blocks past the
-   real total (the bound is not always tight) exit on their first instruction.
-3. `_moe_gate_up_kernel`: grouped GEMM over the row blocks, x rows gathered through the sorted
-   assignment list. The SwiGLU is fused into the epilogue (gate and up tiles of the same columns
-   accumulate side by side, so the [rows, 2*I] product is never written), or, with
-   `fuse_swiglu=False`, the plain [rows, 2*I] product is written and project 02's `silu_and_mul`
-   is applied to it (kept for comparison in the benchmark).
-4. `_moe_down_kernel`: grouped GEMM of the activations with W_down, one fp32 row per assignment.
-5. `_moe_combine_kernel`: out[t] = sum_j w[t, j] * row[t*top_k + j], rounded once to x's dtype.
-   A gather-sum instead of atomics keeps the result deterministic.
-
-All accumulation is fp32. Under the Triton interpreter bf16 `tl.dot` is defective (it multiplies bit
-patterns), so interpreted bf16 tiles are upcast to fp32 before the dot; the GPU path stays native.
+The pipeline (`route`, `align`, the two grouped GEMMs, the combine) and its design:
+projects/07_moe/README.md.
 """
 
 from __future__ import annotations

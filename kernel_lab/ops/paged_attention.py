@@ -29,12 +29,9 @@ an fp8 cache), or any without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, r
 in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
 fp32 q is refused on CUDA.
 
-The kernel (see the project READMEs for the traffic model): one CTA per (sequence, KV head, head group,
-KV split). A head group is up to 8 query heads of one KV head that share every K/V load. When
-batch x kv_heads x head_groups cannot fill the GPU, the sequence is split into partitions of whole blocks
-(flash-decoding) and a second kernel merges the partial results by their log-sum-exp. The split plan is a
-function of shapes only (never of seq_lens values), so no host synchronisation is needed.
-`kernel_model` below is the same algorithm in PyTorch, used to test the kernel's maths without a GPU.
+The kernel (CTA per KV head group and split, flash-decoding split plan from shapes only) and its traffic
+model: projects/04_paged_decode/README.md. `kernel_model` below is the same algorithm in PyTorch, used to
+test the kernel's maths without a GPU.
 """
 
 from __future__ import annotations

@@ -2,16 +2,7 @@
 
     y = x / sqrt(mean(x^2) + eps) * weight            (computed in fp32, stored in x's dtype)
 
-Memory traffic per row of H elements (b bytes each): read x, write y -> 2*H*b (+ H weight bytes, which
-stay in L2 across rows). The fused variant also reads the residual and writes the new residual:
-4*H*b. The kernel is bandwidth bound at every practical H, so the goal is one pass over memory with
-128-bit loads; compute is a handful of FLOPs per byte.
-
-Two kernels:
-- `_rms_norm_row_kernel`: the whole row lives in registers (H <= FUSED_MAX_H). One read, one write.
-- `_rms_norm_looped_kernel`: for very long rows the row no longer fits in registers without spilling,
-  so the row is streamed in CHUNK-sized pieces twice (sum of squares, then normalise). The second read
-  usually hits L2, since one row is at most a few hundred KiB.
+Memory traffic, the two kernels (row in registers; looped for very long rows) and why: projects/01_rmsnorm/README.md.
 """
 
 from __future__ import annotations

@@ -6,51 +6,8 @@ half (NaN above +inf, -0.0 equal to +0.0) and `2**31 - 1 - index` in the low hal
 `topk` (the order of equal values) and in `sample` (which of equal logits a top-k / top-p cut keeps, and
 greedy decoding).
 
-topk(logits, k), hierarchical selection:
-  1. `_topk_tile_kernel`, grid (rows, tiles): a program takes a tile of up to MAX_TILE logits and bisects on
-     the int32 logit key for a cut keeping a prefix of the ranking that holds its k best and fits the slot
-     (it stops as soon as the count lies in [k, slot]: a few block-wide counts instead of 32; a second
-     bisection on the index half splits equal logits straddling the cut), then compacts the survivors
-     (prefix-sum positions) into a slot of the candidate buffer.
-  2. `_merge_kernel`, repeated until one slot per row is left: the same selection over GROUP slots.
-  3. `_topk_finish_kernel`: ranks the survivors by counting larger keys (quadratic compares, no sort
-     network), stores the k best at their ranks and gathers the values.
-  Memory traffic: the logits are read once (rows * vocab * b bytes); the candidate traffic is
-  rows * tiles * k * 8 bytes, small next to it for k << MAX_TILE.
-
-sample(logits, temperature, top_k, top_p, seed), per row, in this order: temperature scaling, top-k, top-p
-(renormalised over the top-k set), then one draw from the renormalised distribution. The draw is the
-exponential race, the product form of the Gumbel-max trick: token = argmax over the kept set S of
-e_i / E_i, e_i = exp((x_i - max x) / temperature), E_i = -log(u_i) ~ Exp(1), which picks i with
-probability e_i / sum_S e. (One log per token instead of Gumbel's two.) u_i comes from Triton's
-counter-based Philox keyed by (the row's seed, the token index i, the rejection round); it never depends
-on the row's position in the batch, and the launch geometry depends on the vocabulary size only, so the
-same seed and logits give the same token on the same device whatever else is in the batch.
-  1. `_sample_tile_kernel`, grid (rows, tiles): per tile, the max logit (greedy token, row max), the
-     tile's race winner and sum(e) (plain sampling, the top-p normaliser, and the first proposal of the
-     rejection path), and for rows with 0 < top_k <= SAMPLE_SLOT the tile's top_k candidates, selected
-     exactly as in topk.
-  2. `_merge_kernel` reduces the candidates of top-k rows to exactly top_k per row.
-  3. `_sample_finish_kernel`, one program per row:
-     - greedy (temperature <= 0): the first index of the max;
-     - top-k rows: for each candidate the count and mass of better-ranked candidates (pairwise compares,
-       no sort), the top-p cut on that mass, then the race over what is kept;
-     - top-p without top-k (or top_k > SAMPLE_SLOT): exact rejection sampling. The proposal j is a race
-       winner among the tokens ranked above the last rejected one (round 0: the whole row, from stage 1).
-       One streaming pass counts the tokens ranked above j and their mass; j is kept iff fewer than top_k
-       are above it and their mass is below top_p * Z (Z of the top-k set: for top_k > SAMPLE_SLOT found
-       by a streaming bisection). S is a prefix of the ranking, so every rejection keeps S inside the new
-       proposal domain and the accepted token is an exact draw from the renormalised distribution over S.
-       The top-ranked token is always accepted, so the loop ends; with top_p = 0.9 most rows accept the
-       first proposal (cost: one extra pass over the row).
-  No kernel reads a value back to the host, so the whole op can be captured in a CUDA graph.
-
-The PyTorch reference (CPU path, used by the engine every decode step) follows the same definitions of
-S (same rank keys, same tie rule, same top-p rule) but draws by inverse CDF with one uniform per row
-derived from the seed (splitmix64), so for the same seed it generally picks a different token than the
-Triton kernel; each is deterministic on its own device, and both sample the same distribution. Where the
-cumulative mass lands within float rounding of top_p * Z the two may also disagree on the last kept
-token (the reference accumulates in float64, the kernel in float32).
+The kernels of `topk` and `sample`, the exponential race, the exact rejection path for top-p, and the CPU
+reference (same kept set, a different draw): projects/06_topk_sampling/README.md.
 """
 
 from __future__ import annotations

@@ -3,20 +3,7 @@
     x = [gate | up]  (last dimension 2*d)      ->      y = silu(gate) * up  (last dimension d)
     silu(g) = g * sigmoid(g) = g / (1 + exp(-g))       (computed in fp32, rounded once to x's dtype)
 
-Why the two halves arrive concatenated: a serving engine stores W_gate and W_up stacked as one
-[2*d, H] weight, so a single GEMM produces both halves for every token (one launch, one read of the
-activations, better tensor-core utilisation than two thin GEMMs). This op consumes that GEMM's output
-as it is; nothing is split or copied first.
-
-Memory traffic per token (b bytes per element): read 2*d*b, write d*b -> 3*d*b bytes, about one FLOP
-per byte. The kernel is purely bandwidth bound, so the whole design is "one pass with 128-bit accesses
-and enough bytes in flight":
-- a 2-D grid, (token, column block): any d works, including odd d and d far larger than one block, and
-  a single decode token still spreads over several programs;
-- each thread owns two 16-byte vectors of gate and two of up; the JIT specialises d and the row
-  strides as multiples of 16 elements when they are, which is what lets the `up` half (offset d) be
-  read with 128-bit loads as well;
-- offsets are 64-bit, so tensors beyond 2^31 elements are addressed correctly.
+Why the halves arrive concatenated, the memory traffic and the kernel design: projects/02_swiglu/README.md.
 """
 
 from __future__ import annotations
