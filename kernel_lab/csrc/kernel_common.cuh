@@ -74,7 +74,9 @@ __device__ __forceinline__ float2 fp8x2_to_float2(uint32_t two_bytes) {
 #else
   // byte i -> bits [8i+8, 8i+16) of a 32-bit word: each 16-bit lane holds its byte in its high half.
   const uint32_t spread = __byte_perm(two_bytes, 0u, 0x1404);
-  const uint32_t bits = ((spread >> 1) & 0x3f803f80u) | (spread & 0x80008000u);
+  uint32_t bits = ((spread >> 1) & 0x3f803f80u) | (spread & 0x80008000u);
+  // E4M3's only NaN (magnitude 0x7f) would land on a finite fp16: raise its exponent to all ones instead.
+  bits |= __vcmpeq2(bits & 0x7f807f80u, 0x3f803f80u) & 0x7c007c00u;
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 #endif
 }

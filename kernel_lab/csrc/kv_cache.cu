@@ -32,6 +32,12 @@ __device__ __forceinline__ float pow2_scale(float amax) {
   return __uint_as_float(rounded << 23);
 }
 
+// |x| where x is finite, else 0: NaN and inf never set a page scale (kv_cache.finite_amax).
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
+
+// Clamp to the E4M3 range keeping NaN (fminf/fmaxf would turn a NaN into a bound), as torch.clamp does.
+__device__ __forceinline__ float clamp_fp8_range(float x) { return isnan(x) ? x : fminf(fmaxf(x, -kFp8Max), kFp8Max); }
+
 __global__ void __launch_bounds__(kThreads) copy_rows_kernel(const WriteKVParams p, int elem_bytes) {
   const int token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
@@ -106,8 +112,8 @@ __global__ void __launch_bounds__(kThreads) propose_scales_kernel(const WriteKVP
     load_row<kInput>(p.value, r.token * p.value_token_stride + r.head * p.value_head_stride + r.lane * 8, v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      k_max = fmaxf(k_max, fabsf(k[e]));
-      v_max = fmaxf(v_max, fabsf(v[e]));
+      k_max = fmaxf(k_max, finite_abs(k[e]));
+      v_max = fmaxf(v_max, finite_abs(v[e]));
     }
   }
   k_max = group_max<kLanes>(k_max);
@@ -137,7 +143,7 @@ __device__ __forceinline__ void requantise_page(uint8_t* cache, int64_t block_st
     if (old_scale > 0.0f) {
       fp8x8_to_float_exact(*ptr, f);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = fminf(fmaxf(f[e] * ratio, -kFp8Max), kFp8Max);
+      for (int e = 0; e < 8; ++e) f[e] = clamp_fp8_range(f[e] * ratio);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = 0.0f;
@@ -163,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) requantise_kernel(const WriteKVParam
 __device__ __forceinline__ void quantise_store(uint8_t* cache, int64_t block_stride, float scale, float (&f)[8],
                                                const WriteKVParams& p, const RowCoord& r) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = scale > 0.0f ? fminf(fmaxf(f[e] / scale, -kFp8Max), kFp8Max) : 0.0f;
+  for (int e = 0; e < 8; ++e) f[e] = scale > 0.0f ? clamp_fp8_range(f[e] / scale) : (isnan(f[e]) ? f[e] : 0.0f);
   uint2* ptr = reinterpret_cast<uint2*>(
       cache + r.page * block_stride + (static_cast<int64_t>(r.offset) * p.num_kv_heads + r.head) * p.head_dim) +
       r.lane;

@@ -18,7 +18,10 @@ FP8 write policy: every page scale `write_kv` writes is the smallest power of tw
 `|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9` holds in any write order. The policy step by step
 and why the bound holds: projects/05_fp8_kv/README.md.
 Pages whose scale was set outside `write_kv` to a non-power-of-two keep working (the scale never shrinks),
-but the bound is only guaranteed for scales `write_kv` manages. Non-finite inputs are not supported.
+but the bound is only guaranteed for scales `write_kv` manages.
+Non-finite inputs (both paths alike, tested): NaN and +-inf take no part in a scale (amax is over the finite
+elements only, so one bad token cannot blow up or zero a page's scale); a NaN is stored as NaN and stays NaN
+through requantisation; +-inf saturates to +-448 * scale, like E4M3's SATFINITE conversion.
 
 Dispatch: CPU tensors always take the PyTorch reference below (with validation); CUDA tensors run the
 CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract).
@@ -81,12 +84,19 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scale, torch.zeros_like(scale))
 
 
+def finite_amax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """max |x| over the finite elements (0 where there are none): NaN and inf never set a scale."""
+    magnitude = x.float().abs()
+    return torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude)).amax(dim=dim)
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8(clamp(x / scale)) with round-to-nearest-even; `scale` broadcasts against x; scale 0 stores 0."""
+    """fp8(clamp(x / scale)) with round-to-nearest-even; `scale` broadcasts against x; scale 0 stores 0.
+    NaN stays NaN (clamp propagates it) and +-inf saturates to +-448."""
     xf = x.float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xf / safe).clamp(-FP8_MAX, FP8_MAX)
-    q = torch.where(scale > 0, q, torch.zeros_like(q))
+    q = torch.where((scale > 0) | torch.isnan(xf), q, torch.zeros_like(q))
     return q.to(FP8_DTYPE)
 
 
@@ -166,7 +176,7 @@ def _write_fp8_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tens
                          offsets: torch.Tensor) -> None:
     """Apply the page-scale policy (module docstring) for one of K or V; tokens already filtered to valid."""
     heads = cache.shape[2]
-    token_scale = pow2_scale(x.float().abs().amax(dim=-1))                      # [tokens, heads]
+    token_scale = pow2_scale(finite_amax(x))                                    # [tokens, heads]
     new_scale = scale.clone()
     new_scale.scatter_reduce_(0, blocks[:, None].expand(-1, heads), token_scale, reduce="amax",
                               include_self=True)

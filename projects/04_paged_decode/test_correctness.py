@@ -22,6 +22,7 @@ from kernel_lab.ops.paged_attention import (
     HEADS_PER_GROUP,
     MIN_PARTITION_TOKENS,
     SplitPlan,
+    check_table_values,
     kernel_model,
     paged_decode_attention_reference,
     plan_splits,
@@ -535,24 +536,62 @@ def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_
     paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True)
     reference = paged_decode_attention_reference(q, kc, vc, bt, sl)
     assert_close(out, reference.double(), dtype, scale=2.0)
+    assert_float64_subsample(out, q, kc, vc, bt, sl, dtype)
+
+
+def assert_float64_subsample(out, q, k_cache, v_cache, block_tables, seq_lens, dtype, k_scale=None, v_scale=None):
+    """The GPU result against the float64 formulation (`attention64`) on the longest sequence and two more:
+    the fp32 reference above is the op's own, so it alone would not catch an error the two share."""
+    lens = seq_lens.cpu()
+    rows = sorted({int(lens.argmax()), 0, lens.numel() - 1})
+    cpu = [t.cpu() for t in (q[rows], k_cache, v_cache, block_tables[rows], lens[rows])]
+    scales = [None if s is None else s.cpu() for s in (k_scale, v_scale)]
+    expected = attention64(*cpu, q.shape[-1] ** -0.5, *scales)
+    assert_close(out[rows], expected, dtype, scale=2.0)
+
+
+# A captured graph replays with new lengths in the same tensors: the block tables must already map the
+# largest length each sequence reaches, as the engine's tables do (a sequence's table grows before its length).
+GRAPH_CAPTURE_LENGTHS = [3000, 1, 17, 2048, 5, 999, 64, 0]
+GRAPH_REPLAY_LENGTHS = [1, 3000, 2000, 17, 0, 5, 1000, 33]
+
+
+def graph_case(device):
+    largest = [max(a, b) for a, b in zip(GRAPH_CAPTURE_LENGTHS, GRAPH_REPLAY_LENGTHS)]
+    q, kc, vc, bt, sl, _, _ = make_case(77, batch=8, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                                        lengths=largest, dtype=torch.bfloat16, device=device)
+    sl.copy_(torch.tensor(GRAPH_CAPTURE_LENGTHS, dtype=torch.int32))
+    return q, kc, vc, bt, sl
+
+
+def test_graph_case_tables_cover_every_replayed_length():
+    """The CUDA-graph case on CPU: both length sets pass the host-side table check (a table too short
+    for a replayed length would make the GPU kernel read block -1), and the reference runs on both."""
+    q, kc, vc, bt, sl = graph_case("cpu")
+    for lengths in (GRAPH_CAPTURE_LENGTHS, GRAPH_REPLAY_LENGTHS):
+        sl.copy_(torch.tensor(lengths, dtype=torch.int32))
+        check_table_values(bt, sl, kc.shape[0], kc.shape[1])
+        paged_decode_attention_reference(q, kc, vc, bt, sl)
+    with pytest.raises(ValueError, match="does not fit the block table"):  # the check does catch a short table
+        check_table_values(bt[:, :1], sl, kc.shape[0], kc.shape[1])
 
 
 @pytest.mark.gpu
 def test_gpu_under_cuda_graph_with_changing_lengths():
-    q, kc, vc, bt, sl, _, _ = make_case(77, batch=8, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                                        lengths=[3000, 1, 17, 2048, 5, 999, 64, 0], dtype=torch.bfloat16,
-                                        device="cuda")
+    q, kc, vc, bt, sl = graph_case("cuda")
     out = torch.empty_like(q)
     paged_decode_attention(q, kc, vc, bt, sl, out=out)  # warm up (builds the extension)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_decode_attention(q, kc, vc, bt, sl, out=out)
-    sl.copy_(torch.tensor([1, 3000, 2000, 17, 0, 5, 1000, 33], dtype=torch.int32))
+    sl.copy_(torch.tensor(GRAPH_REPLAY_LENGTHS, dtype=torch.int32))
+    check_table_values(bt, sl, kc.shape[0], kc.shape[1])
     q.copy_(randn(q.shape, q.dtype, "cuda", 78))
     poison(out)
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, paged_decode_attention_reference(q, kc, vc, bt, sl).double(), torch.bfloat16, scale=2.0)
+    assert_float64_subsample(out, q, kc, vc, bt, sl, torch.bfloat16)
     assert torch.equal(out[4].float(), torch.zeros_like(out[4].float()))
 
 

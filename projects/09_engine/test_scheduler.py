@@ -1,4 +1,5 @@
-"""Block manager and scheduler, without a model: unit tests and hypothesis property tests.
+"""Block manager and scheduler, without a model: unit tests, and the shadow-cache simulator that
+test_scheduler_properties.py drives with hypothesis.
 
 The property test drives a scheduler with a tiny KV pool through random adds, steps, finishes and aborts,
 and simulates the model with a shadow cache: every computed token writes, into its slot, the whole token
@@ -11,9 +12,6 @@ every computed slot (nobody overwrote it), as does every block registered in the
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kernel_lab.engine.block_manager import BlockManager
 from kernel_lab.engine.sampling_params import SamplingParams
@@ -224,55 +222,7 @@ def test_block_manager_rejects_bad_sizes():
         Scheduler(BlockManager(4, 16), 0, 16)
 
 
-# ------------------------------------------------------------------------------------------------ properties
 PROMPT_HEADS = [(1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (5, 5, 5, 5)]
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.sim = None
-
-    @rule(blocks=st.integers(6, 14), caching=st.booleans(), max_seqs=st.integers(1, 4),
-          budget=st.integers(4, 12))
-    @precondition(lambda self: self.sim is None)
-    def create(self, blocks, caching, max_seqs, budget):
-        # A sequence may reach 6 + 4 + 8 = 18 tokens = 5 blocks, so any pool here fits one sequence.
-        self.sim = Sim(num_blocks=blocks, block_size=4, max_num_seqs=max_seqs, max_tokens_per_step=budget,
-                       caching=caching)
-
-    @rule(head=st.sampled_from(PROMPT_HEADS), tail=st.lists(st.integers(0, 3), max_size=6),
-          max_tokens=st.integers(1, 4))
-    @precondition(lambda self: self.sim is not None and len(self.sim.live) < 8)
-    def add(self, head, tail, max_tokens):
-        self.sim.add(list(head) + tail, max_tokens)
-
-    @rule(token=st.integers(0, 3))
-    @precondition(lambda self: self.sim is not None and self.sim.sched.has_unfinished())
-    def step(self, token):
-        self.sim.step(lambda seq: token)
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.sim is not None and bool(self.sim.live))
-    def abort(self, data):
-        seq = data.draw(st.sampled_from(self.sim.live))
-        self.sim.finish(seq)
-
-    @invariant()
-    def consistent(self):
-        if self.sim is not None:
-            self.sim.check()
-
-    def teardown(self):
-        if self.sim is not None:
-            self.sim.drain()
-            self.sim.check()
-            assert self.sim.bm.num_free_blocks == self.sim.bm.num_blocks, "blocks leaked"
-
-
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
-TestSchedulerProperties = SchedulerMachine.TestCase
 
 
 def test_property_run_exercises_preemption_and_prefix_hits():
