@@ -36,3 +36,18 @@ def reference_only(monkeypatch):
     """Make kernel_lab.ops take the PyTorch reference path on CPU (used by engine and server tests,
     where interpreting every kernel of a 30-layer model would take minutes)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# tools/gpu_suite.sh sets KERNEL_LAB_TEST_LOG: each test's outcome is appended to it (JSON lines) as the test
+# ends, so a run the suite's deadline interrupts or kills still reports which tests passed and failed.
+_TEST_LOG = os.environ.get("KERNEL_LAB_TEST_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if not _TEST_LOG or not (report.when == "call" or report.outcome != "passed"):
+        return  # one line per test: its call, or the setup/teardown that failed or skipped it
+    import json
+
+    with open(_TEST_LOG, "a") as f:
+        f.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+                            "seconds": round(report.duration, 3)}) + "\n")

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Summarise a tools/gpu_suite.sh run: one line per project with its correctness (passed/total from the
-JUnit XML), its headline % of ceiling and its speedup over the named baseline (from the records).
+JUnit XML, or from the per-test log when pytest was killed before writing it), whether a step timed out or
+failed, its headline % of ceiling and its speedup over the named baseline (from the records).
 
     python tools/gpu_summary.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 import xml.etree.ElementTree as ET
@@ -17,15 +19,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_lab.harness.results import PROJECTS  # noqa: E402
 
 
-def correctness(junit: Path) -> str:
-    if not junit.exists():
-        return "not run"
-    root = ET.parse(junit).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = sum(int(s.get("tests", 0)) for s in suites)
-    bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
-    skipped = sum(int(s.get("skipped", 0)) for s in suites)
-    return f"{total - bad - skipped}/{total - skipped}" + (f" ({skipped} skipped)" if skipped else "")
+def read_steps(logs: Path) -> dict[str, dict[str, dict]]:
+    """project -> step -> {rc, seconds, limit_s} from steps.tsv (empty when the suite wrote none)."""
+    steps: dict[str, dict[str, dict]] = {}
+    path = logs / "steps.tsv"
+    if path.exists():
+        for row in csv.DictReader(path.open(), delimiter="\t"):
+            steps.setdefault(row["project"], {})[row["step"]] = row
+    return steps
+
+
+def correctness(logs: Path, project: str, pytest_step: dict | None) -> str:
+    """passed/total; partial when the run timed out (from JUnit if pytest wrote it, else the per-test log)."""
+    junit, progress = logs / f"{project}.junit.xml", logs / f"{project}.tests.jsonl"
+    timed_out = pytest_step is not None and pytest_step["rc"] == "124"
+    counts = None
+    if junit.exists():
+        try:
+            root = ET.parse(junit).getroot()
+            suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+            total = sum(int(s.get("tests", 0)) for s in suites)
+            bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+            skipped = sum(int(s.get("skipped", 0)) for s in suites)
+            counts = (total - bad - skipped, total - skipped, skipped)
+        except ET.ParseError:
+            counts = None
+    if counts is None and progress.exists():
+        outcomes = [json.loads(line)["outcome"] for line in progress.read_text().splitlines() if line.strip()]
+        counts = (outcomes.count("passed"), len(outcomes) - outcomes.count("skipped"), outcomes.count("skipped"))
+    if counts is None:
+        if pytest_step is None or pytest_step["rc"] == "skipped":
+            return "not run"
+        return "timed out, no test finished" if timed_out else f"no results (rc {pytest_step['rc']})"
+    passed, ran, skipped = counts
+    text = f"{passed}/{ran}" + (f" ({skipped} skipped)" if skipped else "")
+    return f"partial {text}, timed out" if timed_out else text
 
 
 def headline(records: list[dict]) -> tuple[str, str]:
@@ -34,7 +62,7 @@ def headline(records: list[dict]) -> tuple[str, str]:
         if h and h.get("percent_of_ceiling") is not None:
             speed = f"{h['speedup']:.2f}x {h.get('baseline', '')}" if h.get("speedup") is not None else "-"
             return f"{h['percent_of_ceiling']:.1f}%", speed
-    cases = [c for rec in records for c in rec["cases"] if c.get("percent_of_ceiling") is not None]
+    cases = [c for rec in records for c in rec.get("cases", []) if c.get("percent_of_ceiling") is not None]
     if not cases:
         return "-", "-"
     best = max(cases, key=lambda c: c["percent_of_ceiling"])
@@ -42,16 +70,37 @@ def headline(records: list[dict]) -> tuple[str, str]:
     return f"{best['percent_of_ceiling']:.1f}% (best case)", speed
 
 
+def step_notes(steps: dict[str, dict]) -> str:
+    notes = []
+    for name, row in steps.items():
+        if row["rc"] == "124":
+            notes.append(f"{name} timed out after {row['seconds']}s")
+        elif row["rc"] == "skipped":
+            notes.append(f"{name} skipped (deadline)")
+        elif row["rc"] != "0" and name != "pytest":
+            notes.append(f"{name} rc {row['rc']}")
+    return "; ".join(notes) or "-"
+
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_out")
-    rows = [("project", "correct", "% of ceiling", "speedup vs baseline")]
-    for project in PROJECTS:
-        records = [json.loads(p.read_text()) for p in sorted((out / "results" / project).glob("*.json"))]
+    logs = out / "logs"
+    steps = read_steps(logs)
+    projects = list(steps) or PROJECTS
+    rows = [("project", "correct", "% of ceiling", "speedup vs baseline", "steps")]
+    for project in projects:
+        records = []
+        for path in sorted((out / "results" / project).glob("*.json")):
+            try:
+                records.append(json.loads(path.read_text()))
+            except json.JSONDecodeError:
+                pass  # a record cut off mid-write by a kill
         pct, speed = headline(records)
-        rows.append((project, correctness(out / "logs" / f"{project}.junit.xml"), pct, speed))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        own = steps.get(project, {})
+        rows.append((project, correctness(logs, project, own.get("pytest")), pct, speed, step_notes(own)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
     return 0
 
 

@@ -6,6 +6,11 @@ nvcc. `python -m kernel_lab.ops.cuda_extension` builds it ahead of time (tools/g
 projects' gpu_checks.sh do this). CPU-only torch cannot build it: the CPU path of every op is the PyTorch
 reference, and the kernels themselves are compiled without torch by the compile tests
 (`kernel_sources()` are torch-free).
+
+Before building, `check_build_tools` says in one message everything a bare GPU machine lacks (ninja, nvcc,
+an nvcc of torch's CUDA major version, one that knows the GPU's architecture). The build is always for the
+GPU in use: a preset TORCH_CUDA_ARCH_LIST is overridden for the build, with a warning, since it may lack
+this GPU or name architectures nvcc 13 no longer builds (anything below sm_75).
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
+import shutil
+import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +44,68 @@ def _source_hash() -> str:
     return digest.hexdigest()[:12]
 
 
+def find_nvcc() -> str | None:
+    """nvcc as torch's extension builder finds it: $CUDA_HOME/bin (CUDA_HOME as torch resolves it), else PATH."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidate = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
+    return str(candidate) if candidate is not None and candidate.exists() else shutil.which("nvcc")
+
+
+def nvcc_facts(nvcc: str) -> tuple[str | None, set[int]]:
+    """(CUDA release "major.minor", the compute capabilities it can build, e.g. {75, 80, 89, 90})."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    release = re.search(r"release (\d+\.\d+)", version)
+    listing = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+    return (release.group(1) if release else None), {int(a) for a in re.findall(r"compute_(\d+)", listing)}
+
+
+def missing_build_tools(capability: tuple[int, int], torch_cuda: str | None, ninja: bool, nvcc: str | None,
+                        nvcc_release: str | None, nvcc_archs: set[int]) -> list[str]:
+    """What the extension build lacks on this machine, one readable line each (empty: nothing)."""
+    arch = capability[0] * 10 + capability[1]
+    missing = []
+    if torch_cuda is None:
+        missing.append(f"a CUDA build of torch (this torch, {torch.__version__}, is CPU-only)")
+    if not ninja:
+        missing.append("ninja (torch.utils.cpp_extension builds with it): not on PATH")
+    if nvcc is None:
+        missing.append("nvcc: neither $CUDA_HOME/bin/nvcc nor nvcc on PATH")
+        return missing
+    if nvcc_release is None:
+        missing.append(f"a working nvcc: `{nvcc} --version` printed no release")
+    elif torch_cuda is not None and nvcc_release.split(".")[0] != torch_cuda.split(".")[0]:
+        missing.append(f"an nvcc of torch's CUDA major version: {nvcc} is CUDA {nvcc_release}, torch was built "
+                       f"with CUDA {torch_cuda} (set CUDA_HOME to a matching toolkit)")
+    if nvcc_archs and arch not in nvcc_archs:
+        missing.append(f"an nvcc that builds sm_{arch} (this GPU): {nvcc} builds "
+                       f"{', '.join(f'sm_{a}' for a in sorted(nvcc_archs))}")
+    return missing
+
+
+def check_build_tools(capability: tuple[int, int]) -> None:
+    """Raise one RuntimeError listing everything the build lacks, before torch's builder fails on the first."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    nvcc = find_nvcc()
+    release, archs = nvcc_facts(nvcc) if nvcc else (None, set())
+    missing = missing_build_tools(capability, torch.version.cuda, is_ninja_available(), nvcc, release, archs)
+    if missing:
+        raise RuntimeError("cannot build the kernel_lab CUDA extension; this machine lacks:\n  - "
+                           + "\n  - ".join(missing))
+
+
+def build_arch_list(capability: tuple[int, int], preset: str | None) -> str:
+    """TORCH_CUDA_ARCH_LIST for the build: exactly the GPU in use. A different preset is overridden with a
+    warning (it may lack this GPU, whose kernels would then fail to load, or name architectures nvcc 13
+    dropped, which fails the build)."""
+    wanted = f"{capability[0]}.{capability[1]}"
+    if preset and preset.strip() != wanted:
+        warnings.warn(f"TORCH_CUDA_ARCH_LIST={preset!r} ignored for the kernel_lab extension: it is built for "
+                      f"the GPU in use only ({wanted})", RuntimeWarning, stacklevel=3)
+    return wanted
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(verbose: bool = False):
     """Compile (once per source version and GPU architecture) and import the extension module."""
@@ -42,23 +113,32 @@ def load_extension(verbose: bool = False):
         raise RuntimeError("the kernel_lab CUDA extension needs a CUDA device and a CUDA build of torch")
     from torch.utils.cpp_extension import load
 
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    # torch.utils.cpp_extension derives -gencode flags from this list; only the GPU in use is built.
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    capability = torch.cuda.get_device_capability()
+    arch = f"{capability[0]}{capability[1]}"
     name = f"kernel_lab_paged_{_source_hash()}_sm{arch}"
     build_dir = Path(os.environ.get("KERNEL_LAB_BUILD_DIR")
                      or Path(os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "ext") / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=name,
-        sources=[str(CSRC / BINDING_SOURCE), *(str(p) for p in kernel_sources())],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "-lineinfo"] + (["-Xptxas=-v"] if verbose else []),
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
+    if not any(build_dir.glob(f"{name}*.so")):  # a cached build loads without the tool checks
+        check_build_tools(capability)
+    # torch.utils.cpp_extension derives -gencode flags from this variable: set it for the build only.
+    preset = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = build_arch_list(capability, preset)
+    try:
+        return load(
+            name=name,
+            sources=[str(CSRC / BINDING_SOURCE), *(str(p) for p in kernel_sources())],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-lineinfo"] + (["-Xptxas=-v"] if verbose else []),
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    finally:
+        if preset is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = preset
 
 
 @functools.lru_cache(maxsize=None)

@@ -512,6 +512,41 @@ def test_python_model_and_cuda_kernel_share_their_geometry():
     assert f"p.heads_per_group <= {pa.HEADS_PER_GROUP}) return launch_tile" in source
 
 
+# --------------------------------------------------------------------------------------------- build pre-flight
+def test_build_pre_flight_lists_everything_a_bare_machine_lacks():
+    from kernel_lab.ops.cuda_extension import missing_build_tools
+
+    good = dict(capability=(9, 0), torch_cuda="13.0", ninja=True, nvcc="/usr/local/cuda/bin/nvcc",
+                nvcc_release="13.0", nvcc_archs={75, 80, 89, 90, 100})
+    assert missing_build_tools(**good) == []
+    bare = missing_build_tools(**{**good, "torch_cuda": None, "ninja": False, "nvcc": None})
+    assert len(bare) == 3 and "CPU-only" in bare[0] and "ninja" in bare[1] and "nvcc" in bare[2]
+    (mismatch,) = missing_build_tools(**{**good, "nvcc_release": "12.4"})
+    assert "CUDA 12.4" in mismatch and "CUDA 13.0" in mismatch and "CUDA_HOME" in mismatch
+    (old_gpu,) = missing_build_tools(**{**good, "capability": (7, 0)})
+    assert "sm_70" in old_gpu and "sm_75" in old_gpu
+
+
+@pytest.mark.parametrize("preset, warns", [(None, False), ("9.0", False), ("8.0;8.6", True), ("6.0;7.0;9.0+PTX", True)])
+def test_build_is_for_the_gpu_in_use_whatever_the_preset_arch_list(preset, warns):
+    from kernel_lab.ops.cuda_extension import build_arch_list
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build_arch_list((9, 0), preset) == "9.0"
+    assert bool(caught) == warns and all("TORCH_CUDA_ARCH_LIST" in str(w.message) for w in caught)
+
+
+def test_nvcc_facts_read_this_machines_nvcc():
+    from kernel_lab.ops.cuda_extension import find_nvcc, nvcc_facts
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    release, archs = nvcc_facts(nvcc)
+    assert re.fullmatch(r"\d+\.\d+", release) and {80, 89, 90} <= archs, (release, archs)
+
+
 # --------------------------------------------------------------------------------------------- GPU
 GPU_CASES = [
     # (batch, hq, hkv, head_dim, block_size, max_len)

@@ -311,6 +311,9 @@ def test_gpu_model_shapes(tokens, E, H, I, dtype):
     # fp32 reference over the same half-precision weights; accumulation is fp32, so the error is the
     # rounding of the activations and of the output, independent of K
     assert_close(y, reference32(x, wgu, wd, logits), dtype, scale=3.0)
+    # and a subsample against the independent float64 loop (the fp32 reference is the op's own)
+    rows = sorted({0, tokens // 2, tokens - 1})
+    assert_close(y[rows], reference64(x[rows], wgu, wd, logits[rows]), dtype, scale=3.0)
 
 
 @pytest.mark.gpu

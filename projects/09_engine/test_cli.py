@@ -9,7 +9,7 @@ import pytest
 
 from kernel_lab.cli import main
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = pytest.mark.usefixtures("one_cpu_thread", "bundled_model")
 
 
 def test_generate_streams_text(reference_only, capsys):

@@ -66,7 +66,7 @@ def _in_reference_mode(fn):
 
 
 @pytest.fixture(scope="module")
-def model_dir():
+def model_dir(bundled_model):
     return resolve_model_dir(None)  # exported once into the user cache; free afterwards
 
 

@@ -8,21 +8,26 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from kernel_lab.server.async_engine import AsyncEngine
-from kernel_lab.server.background import BackgroundServer
-from kernel_lab.server.openai_api import build_app
-
+# The web stack (fastapi, uvicorn, httpx, openai) is imported only where a fixture uses it: the bare GPU box
+# has none of it, and each test module here then skips itself (pytest.importorskip) instead of stopping
+# the collection of the whole suite.
 HERE = Path(__file__).resolve().parent
-_HTTP = httpx.Client(timeout=30)
+
+
+@functools.cache
+def _http():
+    import httpx
+
+    return httpx.Client(timeout=30)
 
 
 def metric_values(url: str) -> dict[tuple[str, tuple], float]:
@@ -31,7 +36,7 @@ def metric_values(url: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {}
-    for family in text_string_to_metric_families(_HTTP.get(url + "/metrics").text):
+    for family in text_string_to_metric_families(_http().get(url + "/metrics").text):
         for sample in family.samples:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
             values[(sample.name, labels)] = sample.value
@@ -40,6 +45,8 @@ def metric_values(url: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture
 def read_metrics():
+    pytest.importorskip("httpx")
+    pytest.importorskip("prometheus_client")
     return metric_values
 
 
@@ -57,7 +64,7 @@ fake_engine = _load_fake_engine()
 
 
 class RunningServer:
-    def __init__(self, background: BackgroundServer, async_engine: AsyncEngine, api_key: str | None):
+    def __init__(self, background, async_engine, api_key: str | None):
         self.background = background
         self.async_engine = async_engine
         self.api_key = api_key
@@ -108,6 +115,10 @@ def start_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
 ) -> RunningServer:
+    from kernel_lab.server.async_engine import AsyncEngine
+    from kernel_lab.server.background import BackgroundServer
+    from kernel_lab.server.openai_api import build_app
+
     async_engine = AsyncEngine(factory, max_waiting=max_waiting)
     if params_factory is not None:
         async_engine.params_factory = params_factory
@@ -118,6 +129,8 @@ def start_server(
 
 @pytest.fixture
 def fake_server():
+    for module in ("fastapi", "uvicorn"):
+        pytest.importorskip(module)
     started: list[RunningServer] = []
 
     def make(*, max_waiting: int = 512, api_key: str | None = None, wait: bool = True, **engine_kwargs):

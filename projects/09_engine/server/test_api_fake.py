@@ -8,12 +8,14 @@ import json
 import threading
 import time
 
-import httpx
-import openai
 import pytest
 
-from kernel_lab.engine.output_processor import stop_holdback
-from kernel_lab.server.openai_api import _ChoiceCursor
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from kernel_lab.engine.output_processor import stop_holdback  # noqa: E402
+from kernel_lab.server.openai_api import _ChoiceCursor  # noqa: E402
 
 MSG = [{"role": "user", "content": "hello there"}]
 # One client for the module: building an httpx client (its SSL context) costs more than a request.

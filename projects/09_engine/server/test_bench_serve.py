@@ -24,6 +24,7 @@ from kernel_lab.bench.serve import (
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     # a word-level tokenizer: exact lengths are easy to reason about

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from kernel_lab.server.async_engine import AsyncEngine
-from kernel_lab.server.openai_api import build_app
+pytest.importorskip("fastapi")
+pytest.importorskip("hypothesis")
+httpx = pytest.importorskip("httpx")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kernel_lab.server.async_engine import AsyncEngine  # noqa: E402
+from kernel_lab.server.openai_api import build_app  # noqa: E402
 
 ROUTES = {
     "completions": ("/v1/completions", "CompletionRequest"),

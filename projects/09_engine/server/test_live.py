@@ -14,9 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
 
 REPO = Path(__file__).resolve().parents[3]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are", "Once upon a time"]

@@ -15,8 +15,10 @@ import asyncio
 import random
 import time
 
-import openai
 import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
 
 NUM_CLIENTS = 256
 DISCONNECT_SHARE = 0.15

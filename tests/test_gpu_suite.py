@@ -1,0 +1,42 @@
+"""tools/gpu_suite.sh on CPU, with fake projects: the deadline holds even when a test ignores SIGINT and
+hangs, a timed-out project reports the tests it finished, later projects are skipped, not lost, and the
+summary table is printed last."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAST = "def test_one():\n    assert 1 + 1 == 2\n\n\ndef test_two():\n    assert 'a' < 'b'\n"
+# Passes one test, then hangs deaf to SIGINT (as a test stuck in a CUDA call would): only SIGKILL ends it.
+HANGS = ("import signal\nimport time\n\n\ndef test_first():\n    assert True\n\n\n"
+         "def test_hangs():\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(600)\n")
+
+
+def test_suite_keeps_its_deadline_and_reports_partial_results(tmp_path):
+    projects = tmp_path / "projects"
+    for name, source in (("01_fast", FAST), ("02_hangs", HANGS), ("03_late", FAST)):
+        (projects / name).mkdir(parents=True)
+        (projects / name / "test_case.py").write_text(source)
+        shutil.copy(ROOT / "conftest.py", projects / name / "conftest.py")  # the per-test log hook
+    out = tmp_path / "out"
+    budget = 30
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out), "BUDGET_S": str(budget),
+           "PYTHON": sys.executable, "SUITE_PROJECTS": f"{projects}/*/", "CUDA_VISIBLE_DEVICES": ""}
+    start = time.monotonic()
+    run = subprocess.run(["bash", "tools/gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=budget + 30)
+    elapsed = time.monotonic() - start
+    assert elapsed <= budget + 2, f"the suite ran {elapsed:.0f} s past its {budget} s deadline"
+    table = run.stdout[run.stdout.index("project  "):].splitlines()
+    rows = {line.split()[0]: line for line in table[1:]}
+    assert "2/2" in rows["01_fast"], rows
+    assert "partial 1/1, timed out" in rows["02_hangs"] and "pytest timed out" in rows["02_hangs"], rows
+    assert "not run" in rows["03_late"] and "pytest skipped (deadline)" in rows["03_late"], rows
+    assert table[-1] == run.stdout.rstrip().splitlines()[-1], "the summary table must be printed last"
+    assert not (out / "logs" / "02_hangs.junit.xml").exists()  # killed: the per-test log was the source
