@@ -63,13 +63,17 @@ def add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 20
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--weights", default="auto", choices=["auto", "quantized", "float32"],
+                        help="CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
+                             "(auto: quantized where the model and the CPU allow it)")
 
 
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=args.num_kv_blocks,
-                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                weights=args.weights)
 
 
 def add_sampling_arguments(parser, max_tokens: int) -> None:

@@ -73,6 +73,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     pad_decode_batches: bool = False
+    weights: str = "auto"
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
