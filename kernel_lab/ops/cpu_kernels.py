@@ -10,8 +10,9 @@ ahead of time and prints its path.
 When there is no compiler or the build fails, `load_library()` warns once and returns None and callers run
 the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
 
-Kernels are single-threaded, compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP
-runtime: torch ships its own, and two runtimes in one process fight over threads).
+Each source is its own library: `paged_decode_attention.c` (single-threaded) and `gguf_linear.c` (quantized
+GGUF weights, its own small pthread pool). Both are compiled with `-fopenmp-simd` (the `omp simd` pragmas
+only, no OpenMP runtime: torch ships its own, and two runtimes in one process fight over threads).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import torch
 
 CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 SOURCE = CSRC_CPU / "paged_decode_attention.c"
+GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
 # Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
 # -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
 # -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
 # flags, without which GCC will not turn the exp clamp (a compare and select) into vector code and the
 # softmax's exp loop stays scalar (a quarter of the kernel's time when measured).
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-trapping-math", "-shared",
-          "-fPIC")
+          "-fPIC", "-pthread")
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _PAGED_DECODE_ARGTYPES = [
@@ -76,29 +78,33 @@ def _cpu_flags() -> str:
     return ""
 
 
-def library_path(cc: str) -> Path:
-    """Where the build for this source, compiler, flags and CPU lives (raises if `cc --version` fails)."""
+def library_path(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where the build for this source, compiler, flags and CPU lives (raises if `cc --version` fails).
+    `extra_flags` follow -march=native (tests build narrower ISA variants, e.g. `-mno-avx512f`)."""
+    source = SOURCE if source is None else source
     version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), cc.encode(), version.encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(CFLAGS + tuple(extra_flags)).encode(), cc.encode(),
+                 version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
-    return cache_dir() / f"{SOURCE.stem}_{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"{source.stem}_{digest.hexdigest()[:16]}.so"
 
 
-def build(cc: str) -> Path:
-    """Compile SOURCE unless this exact build is cached; returns the library's path."""
-    path = library_path(cc)
+def build(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile `source` (default: the paged decode kernel) unless this exact build is cached; returns the
+    library's path."""
+    source = SOURCE if source is None else source
+    path = library_path(cc, source, extra_flags)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        result = subprocess.run([*shlex.split(cc), *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([*shlex.split(cc), *CFLAGS, *extra_flags, "-o", tmp, str(source)],
+                                capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: a concurrent builder's identical file just replaces this one
@@ -108,28 +114,50 @@ def build(cc: str) -> Path:
     return path
 
 
+# entry point -> (argtypes, restype), per library
+_SIGNATURES = {
+    "paged_decode_attention": {"kl_paged_decode_attention_f32": (_PAGED_DECODE_ARGTYPES, ctypes.c_int)},
+    "gguf_linear": {
+        # type, w, n, k, x, m, ldx, y, ldy, threads
+        "kl_gguf_linear": ([_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], ctypes.c_int),
+        # x, m, k, ldx, q, d, s
+        "kl_gguf_quantize_activations": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
+        # type, w, k, ids, count, out
+        "kl_gguf_dequantize_rows": ([_int, _ptr, _i64, _ptr, _i64, _ptr], ctypes.c_int),
+        "kl_gguf_isa": ([], ctypes.c_char_p),
+    },
+}
+
+
+def _source(name: str) -> Path:
+    # Read at call time, so a test can point SOURCE at another file.
+    return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE}[name]
+
+
 @functools.lru_cache(maxsize=None)
-def _load() -> ctypes.CDLL | None:
+def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
         warnings.warn("kernel_lab CPU kernels unavailable: no C compiler (cc, or $CC) on PATH; "
                       "using the PyTorch reference", RuntimeWarning, stacklevel=2)
         return None
     try:
-        lib = ctypes.CDLL(str(build(cc)))
-        fn = lib.kl_paged_decode_attention_f32
+        lib = ctypes.CDLL(str(build(cc, _source(name), extra_flags)))
+        for fn_name, (argtypes, restype) in _SIGNATURES[name].items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes = argtypes
+            fn.restype = restype
     except Exception as exc:  # any build or load failure means: use the reference
         warnings.warn(f"kernel_lab CPU kernels unavailable ({type(exc).__name__}: {exc}); "
                       "using the PyTorch reference", RuntimeWarning, stacklevel=2)
         return None
-    fn.argtypes = _PAGED_DECODE_ARGTYPES
-    fn.restype = ctypes.c_int
     return lib
 
 
-def load_library() -> ctypes.CDLL | None:
-    """The built library, or None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
-    return _load() if enabled() else None
+def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The built library `name` (paged_decode_attention or gguf_linear), or None (disabled by
+    KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
+    return _load(name, tuple(extra_flags)) if enabled() else None
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
@@ -168,7 +196,8 @@ def main() -> None:
     cc = compiler()
     if cc is None:
         raise SystemExit("no C compiler: set $CC or put cc on PATH")
-    print(build(cc))
+    for name in _SIGNATURES:
+        print(build(cc, _source(name)))
 
 
 if __name__ == "__main__":

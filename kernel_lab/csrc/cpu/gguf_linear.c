@@ -1,0 +1,447 @@
+/* y = x @ W.T on the CPU, with W kept in the GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0).
+ *
+ * Contract: kernel_lab/ops/gguf_linear.py. Plain C with no torch headers, built on first use with the system
+ * compiler by kernel_lab/ops/cpu_kernels.py (-march=native) and called through ctypes.
+ *
+ * Why: a decode step reads every weight once. Dequantized to float32 the bundled model's weights are about
+ * 540 MB; in their GGUF blocks about 100 MB (Q4_1: 20 bytes per 32 weights, Q8_0: 34). Computing on the blocks
+ * directly cuts the bytes per step about five-fold.
+ *
+ * How:
+ *   - each row of x is quantized per block of 32 to int8: d = amax / 127, q = round(x / d), with s = d * sum(q)
+ *     beside d (the Q4_1 minimum, and the Q4_0 and Q8_0 offsets below, multiply the block's sum of x);
+ *   - block dot products are integer: u8 x s8 products summed in int32 (VNNI's vpdpbusd, or AVX2's vpmaddubsw
+ *     + vpmaddwd), converted to float once per block and scaled by d_w d_x:
+ *       Q4_1  sum_j (d_w q_j + m) x_j        ~= d_w d_x idot + m s_x
+ *       Q4_0  sum_j d_w (q_j - 8) x_j        ~= d_w d_x idot - 8 d_w s_x
+ *       Q8_0  sum_j d_w q_j x_j, with the weight bytes read as q + 128 (unsigned, as vpdpbusd wants):
+ *                                            ~= d_w d_x idot' - 128 d_w s_x;
+ *   - the weight is regrouped at load into tiles of 8 rows (same bytes, same values: `pack` in gguf_linear.py).
+ *     Within a tile each block's 32-byte vectors hold 4 consecutive quants of each of the 8 rows, so one
+ *     vpdpbusd against 4 activations broadcast to all lanes advances 8 rows' dot products at once, and a whole
+ *     block ends as one vector of 8 int32 dots: one conversion and two FMAs per 8 rows and block, no
+ *     horizontal sums, and 8 outputs stored together;
+ *   - a weight tile is unpacked once per TILE_M rows of x, so a batch reads the weights from memory once
+ *     (the point of batching), and TILE_M independent dependency chains keep the units busy;
+ *   - tiles are split among a small pthread pool (not OpenMP: torch brings its own runtime).
+ *
+ * Tile layout, per tile of 8 rows and per block b (tiles are contiguous, blocks in order within a tile):
+ *   Q4_0  d[8] fp16 | quants 128 B      Q4_1  d[8] fp16 | m[8] fp16 | quants 128 B      Q8_0  d[8] fp16 | quants 256 B
+ *   Q4 quants: 4 vectors of 32 B; vector v, lane i (row i) = bytes 4v..4v+3 of row i's GGUF qs, whose low nibbles
+ *   are weights 4v..4v+3 and high nibbles weights 16+4v..16+4v+3 (GGUF packs weight j and j + 16 in byte j).
+ *   Q8 quants: 8 vectors of 32 B; vector g, lane i = row i's quants 4g..4g+3.
+ *   A last partial tile is padded with zero rows (d = 0).
+ *
+ * The int32 block sums are exact, so every ISA path gives the same products; only float summation order
+ * differs between builds, which the tests bound.
+ */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KL_SIMD 1
+#else
+#define KL_SIMD 0
+#endif
+
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+#define QK 32     /* weights per block in all three formats */
+#define TILE_N 8  /* weight rows per tile: one int32 lane each in a 256-bit vector */
+#define TILE_M 4  /* rows of x per pass over a weight tile */
+
+/* Bytes of one block of one tile (8 rows), and where its parts start. */
+static int64_t tile_block_bytes(int type) {
+    switch (type) {
+    case GGML_Q4_0: return TILE_N * 18;
+    case GGML_Q4_1: return TILE_N * 20;
+    case GGML_Q8_0: return TILE_N * 34;
+    default: return 0;
+    }
+}
+static inline int quants_offset(int type) { return type == GGML_Q4_1 ? 32 : 16; }
+
+static inline float half_to_float(uint16_t h) {
+#if KL_SIMD
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        exp = 113;
+        while (!(mant & 0x400)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------- activations */
+
+/* Row-wise int8 quantization of x [m, k] (row stride ldx) into q [m, k], d [m, k/32], s [m, k/32]. Plain
+ * loops, the same on every ISA, so the rounding is too (ties to even, as torch.round). */
+void kl_gguf_quantize_activations(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
+                                  float *s) {
+    const int64_t nb = k / QK;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float scale = amax / 127.0f;
+            const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+            int8_t *qb = q + r * k + b * QK;
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                const int v = (int)nearbyintf(xb[j] * inv);
+                qb[j] = (int8_t)v;
+                sum += v;
+            }
+            d[r * nb + b] = scale;
+            s[r * nb + b] = scale * (float)sum;
+        }
+    }
+}
+
+typedef struct {
+    const int8_t *q;   /* [m, k] */
+    const float *d;    /* [m, nb] */
+    const float *s;    /* [m, nb] */
+    int64_t k, nb;
+} QuantizedRows;
+
+/* Per row of the tile: the factor of s_x (Q4_1: m; Q4_0: -8 d; Q8_0: -128 d, for the +128 bias). */
+static inline float offset_factor(int type, const uint16_t *halves, int row, float d) {
+    if (type == GGML_Q4_1) return half_to_float(halves[TILE_N + row]);
+    return (type == GGML_Q4_0 ? -8.0f : -128.0f) * d;
+}
+
+/* --------------------------------------------------------------------------------------- tile kernel (SIMD) */
+#if KL_SIMD
+/* acc + the int32 sums of 4 u8 x s8 products per lane. */
+static inline __m256i dot_accumulate(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    /* A pair of products fits int16 for Q4 (2 * 15 * 127); Q8_0 takes the sign route in tile_rows instead. */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+#define KL_Q8_SIGNED_PAIRS 1  /* no VNNI: (q + 128) x could overflow vpmaddubsw's int16 pairs; use |q| and sign */
+#endif
+
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* One tile (8 weight rows) against rows [r0, r0 + MR) of x: out[r * ldo + i] = dot(row i, x row r0 + r).
+ * MR is a constant at every call site, so its loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_rows(int type, const uint8_t *tile, const QuantizedRows *x,
+                                                             int64_t r0, const int MR, float *out, int64_t ldo) {
+    const int64_t nb = x->nb, tbb = tile_block_bytes(type);
+    const int nvec = type == GGML_Q8_0 ? 8 : 4;
+    __m256 acc[TILE_M];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * tbb;
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 off = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                           : _mm256_mul_ps(wd, _mm256_set1_ps(type == GGML_Q4_0 ? -8.0f : -128.0f));
+        const uint8_t *quants = blk + quants_offset(type);
+        /* w[g]: the u8 operand for activation group g (4 consecutive x values). */
+        __m256i w[8];
+        if (type == GGML_Q8_0) {
+            for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(quants + 32 * g));
+        } else {
+            const __m256i low = _mm256_set1_epi8(0x0f);
+            for (int v = 0; v < nvec; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(quants + 32 * v));
+                w[v] = _mm256_and_si256(raw, low);
+                w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t row = r0 + r;
+            const int8_t *xq = x->q + row * x->k + b * QK;
+            __m256i idot = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                /* Q4: groups 0-3 are weights 0-15 (low nibbles), groups 4-7 weights 16-31 (high nibbles). */
+                __m256i xs = broadcast4(xq + 4 * g);
+#ifdef KL_Q8_SIGNED_PAIRS
+                if (type == GGML_Q8_0) {
+                    idot = dot_accumulate(idot, _mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xs, w[g]));
+                    continue;
+                }
+#endif
+                idot = dot_accumulate(idot, type == GGML_Q8_0 ? _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80))
+                                                              : w[g], xs);
+            }
+            const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(x->d[row * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), scale, acc[r]);
+#ifdef KL_Q8_SIGNED_PAIRS
+            if (type == GGML_Q8_0) continue;  /* the signed route has no +128 bias to take back */
+#endif
+            acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(x->s[row * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+#else
+/* Quant j (0..31) of row i in a tile block, as the unsigned value the SIMD path multiplies. */
+static inline int tile_quant(int type, const uint8_t *quants, int i, int j) {
+    if (type == GGML_Q8_0) return (int)(int8_t)quants[32 * (j / 4) + 4 * i + j % 4] + 128;
+    const int jj = j % 16;
+    const uint8_t byte = quants[32 * (jj / 4) + 4 * i + jj % 4];
+    return j < 16 ? byte & 0x0f : byte >> 4;
+}
+
+static void tile_rows(int type, const uint8_t *tile, const QuantizedRows *x, int64_t r0, const int MR,
+                      float *out, int64_t ldo) {
+    const int64_t nb = x->nb, tbb = tile_block_bytes(type);
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = r0 + r;
+        for (int i = 0; i < TILE_N; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = tile + b * tbb;
+                uint16_t halves[2 * TILE_N];
+                memcpy(halves, blk, sizeof halves);
+                const int8_t *xq = x->q + row * x->k + b * QK;
+                int32_t idot = 0;
+                for (int j = 0; j < QK; j++) idot += tile_quant(type, blk + quants_offset(type), i, j) * xq[j];
+                const float d = half_to_float(halves[i]);
+                acc += (float)idot * (d * x->d[row * nb + b]);
+                acc += offset_factor(type, halves, i, d) * x->s[row * nb + b];
+            }
+            out[r * ldo + i] = acc;
+        }
+    }
+}
+#endif
+
+/* Tiles [t0, t1) against every row of x; y has n valid columns. */
+static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x,
+                       int64_t m, int64_t t0, int64_t t1, float *y, int64_t ldy) {
+    float out[TILE_M * TILE_N];
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w + t * tile_bytes;
+        const int64_t n0 = t * TILE_N;
+        const int full = n0 + TILE_N <= n;
+        for (int64_t r = 0; r < m; r += TILE_M) {
+            const int64_t mr = m - r < TILE_M ? m - r : TILE_M;
+            /* A full tile stores straight into y; a partial one goes through `out`. */
+            float *dst = full ? y + r * ldy + n0 : out;
+            const int64_t ld = full ? ldy : TILE_N;
+            switch (mr) {
+            case 4: tile_rows(type, tile, x, r, 4, dst, ld); break;
+            case 3: tile_rows(type, tile, x, r, 3, dst, ld); break;
+            case 2: tile_rows(type, tile, x, r, 2, dst, ld); break;
+            default: tile_rows(type, tile, x, r, 1, dst, ld); break;
+            }
+            if (!full)
+                for (int64_t i = 0; i < mr; i++) memcpy(y + (r + i) * ldy + n0, out + i * TILE_N, sizeof(float) * (n - n0));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- thread pool */
+/* Workers spin briefly for the next call (a decode step makes hundreds of calls a few microseconds apart),
+ * then sleep on a condition variable. One call runs at a time (call_lock). */
+#define MAX_THREADS 256
+#define SPIN_NS 200000
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t tile_bytes, n, tiles, m, ldy;
+    const QuantizedRows *x;
+    float *y;
+    int parts;
+} Job;
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static atomic_uint generation;
+static atomic_int pending;
+static atomic_int job_parts;
+static int workers_started;
+static Job job;
+
+static void run_part(const Job *j, int part) {
+    /* Contiguous ranges of tiles, two at a time so no two threads write one 64-byte line of y. */
+    const int64_t chunk = ((j->tiles + j->parts - 1) / j->parts + 1) & ~(int64_t)1;
+    const int64_t t0 = part * chunk, t1 = t0 + chunk < j->tiles ? t0 + chunk : j->tiles;
+    if (t0 < t1) gemm_tiles(j->type, j->w, j->tile_bytes, j->n, j->x, j->m, t0, t1, j->y, j->ldy);
+}
+
+static inline void cpu_relax(void) {
+#if KL_SIMD
+    _mm_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    const int part = (int)(intptr_t)arg;
+    unsigned seen = 0;
+    for (;;) {
+        unsigned g;
+        const int64_t spin_until = now_ns() + SPIN_NS;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+            cpu_relax();
+            if (++spins % 256 == 0 && now_ns() > spin_until) {
+                pthread_mutex_lock(&pool_lock);
+                while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen)
+                    pthread_cond_wait(&pool_wake, &pool_lock);
+                pthread_mutex_unlock(&pool_lock);
+                break;
+            }
+        }
+        /* A worker that sat out call g may wake only after call g + 1 was published: the part count it
+         * reads must belong to the generation it acts on, so re-check and go round again if it moved. */
+        const int parts = atomic_load_explicit(&job_parts, memory_order_acquire);
+        if (atomic_load_explicit(&generation, memory_order_acquire) != g) continue;
+        seen = g;
+        if (part < parts) {
+            run_part(&job, part);
+            atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+/* Starts workers up to `threads - 1` (the caller is part 0); returns how many threads can work. */
+static int ensure_workers(int threads) {
+    while (workers_started < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&t, &attr, worker, (void *)(intptr_t)(workers_started + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        workers_started++;
+    }
+    return workers_started + 1 < threads ? workers_started + 1 : threads;
+}
+
+/* ------------------------------------------------------------------------------------------------ entry */
+
+static void *scratch;
+static size_t scratch_bytes;
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W.T, W [n, k] packed in 8-row tiles of `type`.
+ * Returns 0, or -1 for an unsupported type or shape, -2 when scratch memory cannot be had. */
+int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
+                   float *y, int64_t ldy, int threads) {
+    const int64_t tbb = tile_block_bytes(type);
+    if (tbb == 0 || k <= 0 || k % QK || n < 0 || m < 0) return -1;
+    if (n == 0 || m == 0) return 0;
+    const int64_t nb = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
+    pthread_mutex_lock(&call_lock);
+    const size_t need = (size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * nb) + 64;
+    if (need > scratch_bytes) {
+        free(scratch);
+        scratch = malloc(need);
+        scratch_bytes = scratch ? need : 0;
+        if (!scratch) { pthread_mutex_unlock(&call_lock); return -2; }
+    }
+    float *d = (float *)scratch, *s = d + m * nb;
+    int8_t *q = (int8_t *)(s + m * nb);
+    kl_gguf_quantize_activations(x, m, k, ldx, q, d, s);
+    const QuantizedRows rows = {q, d, s, k, nb};
+
+    /* A thread needs enough work to pay for waking it: at least 8 tiles (64 rows). */
+    int parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    const int64_t max_parts = tiles / 8 > 1 ? tiles / 8 : 1;
+    if (parts > max_parts) parts = (int)max_parts;
+    if (parts > 1) parts = ensure_workers(parts);
+    if (parts == 1) {
+        gemm_tiles(type, w, nb * tbb, n, &rows, m, 0, tiles, y, ldy);
+    } else {
+        job = (Job){type, w, nb * tbb, n, tiles, m, ldy, &rows, y, parts};
+        atomic_store_explicit(&pending, parts - 1, memory_order_relaxed);
+        atomic_store_explicit(&job_parts, parts, memory_order_relaxed);
+        pthread_mutex_lock(&pool_lock);
+        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+        pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_lock);
+        run_part(&job, 0);
+        while (atomic_load_explicit(&pending, memory_order_acquire) > 0) cpu_relax();
+    }
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+/* out [count, k] = rows `ids` of the packed W, dequantized (an embedding lookup on a quantized table). */
+int kl_gguf_dequantize_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
+                            float *out) {
+    const int64_t tbb = tile_block_bytes(type);
+    if (tbb == 0 || k <= 0 || k % QK) return -1;
+    const int64_t nb = k / QK;
+    for (int64_t c = 0; c < count; c++) {
+        const uint8_t *tile = w + (ids[c] / TILE_N) * nb * tbb;
+        const int i = (int)(ids[c] % TILE_N);
+        float *o = out + c * k;
+        for (int64_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *blk = tile + b * tbb, *quants = blk + quants_offset(type);
+            uint16_t halves[2 * TILE_N];
+            memcpy(halves, blk, sizeof halves);
+            const float d = half_to_float(halves[i]);
+            for (int j = 0; j < QK; j++) {
+                if (type == GGML_Q8_0) {
+                    o[j] = d * (float)(int8_t)quants[32 * (j / 4) + 4 * i + j % 4];
+                } else {
+                    const int jj = j % 16;
+                    const uint8_t byte = quants[32 * (jj / 4) + 4 * i + jj % 4];
+                    const int qv = j < 16 ? byte & 0x0f : byte >> 4;
+                    o[j] = type == GGML_Q4_1 ? d * (float)qv + half_to_float(halves[TILE_N + i])
+                                             : d * (float)(qv - 8);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Which dot-product path this build uses (the tests check the instructions it implies). */
+const char *kl_gguf_isa(void) {
+#if KL_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512vnni";
+#elif KL_SIMD && defined(__AVXVNNI__)
+    return "avxvnni";
+#elif KL_SIMD
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}

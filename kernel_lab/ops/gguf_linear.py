@@ -1,0 +1,249 @@
+"""Linear layers on a GGUF's quantized weights, on the CPU: y = x @ W.T with W kept in its Q4_0, Q4_1 or Q8_0
+blocks (kernel: `kernel_lab/csrc/cpu/gguf_linear.c`; design and measurements: projects/09_engine/README.md).
+
+    w = QuantizedWeight(GGML_Q4_1, data, (n, k))   # data: uint8 [n, k / 32 * block bytes], the file's rows
+    p = pack(w)                                    # the same bytes regrouped in tiles of 8 rows (at load)
+    y = gguf_linear(x, p)                          # x: float32 [m, k] on CPU -> y: float32 [m, n]
+
+Block formats (32 weights each, fp16 scales): Q4_0 w = d (q - 8), q in 0..15; Q4_1 w = d q + m; Q8_0 w = d q,
+q in -128..127. Each row of x is quantized to int8 per block of 32 (d = amax / 127, q = round(x / d)) and
+the block dot products are integer; `gguf_linear_reference` computes exactly that in float64, and
+`quantize_activations` is the torch form of the activation rounding, so both paths can be checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import check_out, check_tensor
+
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
+BLOCK = 32
+BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
+FORMAT_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
+FORMATS = {name: t for t, name in FORMAT_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [n, k] as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes], on CPU."""
+
+    ggml_type: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        if self.ggml_type not in BLOCK_BYTES:
+            raise ValueError(f"ggml_type must be one of {FORMATS} (Q4_0, Q4_1, Q8_0), got {self.ggml_type!r}")
+        n, k = self.shape
+        if n < 1 or k < BLOCK or k % BLOCK:
+            raise ValueError(f"shape must be (n >= 1, k a multiple of {BLOCK}), got {self.shape}")
+        check_tensor("data", self.data, dtypes=(torch.uint8,), ndim=2)
+        expected = (n, k // BLOCK * BLOCK_BYTES[self.ggml_type])
+        if tuple(self.data.shape) != expected:
+            raise ValueError(f"data must have shape {expected} for a {self.format} weight of shape {self.shape}, "
+                             f"got {tuple(self.data.shape)}")
+        if self.data.device.type != "cpu" or not self.data.is_contiguous():
+            raise ValueError("data must be a contiguous CPU tensor")
+
+    @property
+    def format(self) -> str:
+        return FORMAT_NAMES[self.ggml_type]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights of one format and width, stacked (q|k|v, gate|up)."""
+        if len({(p.ggml_type, p.shape[1]) for p in parts}) != 1:
+            raise ValueError("only weights of one format and one width can be stacked")
+        return QuantizedWeight(parts[0].ggml_type, torch.cat([p.data for p in parts]),
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, k] the blocks encode (computed in torch; the reference's weights)."""
+        n, k = self.shape
+        blocks = self.data.view(n, k // BLOCK, BLOCK_BYTES[self.ggml_type])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()          # [n, nb, 1]
+        if self.ggml_type == GGML_Q8_0:
+            q = blocks[..., 2:].contiguous().view(torch.int8).float()
+            return (d * q).view(n, k)
+        packed = blocks[..., 4:] if self.ggml_type == GGML_Q4_1 else blocks[..., 2:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()            # weights j and j + 16
+        if self.ggml_type == GGML_Q4_1:
+            m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+            return (d * q + m).view(n, k)
+        return (d * (q - 8)).view(n, k)
+
+
+TILE_ROWS = 8
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A QuantizedWeight regrouped for the kernel: tiles of 8 rows, each block's scales then its quants
+    interleaved 4 bytes per row (layout: the comment at the top of gguf_linear.c). Same bytes as the file's
+    blocks, plus zero rows padding the last tile. `tiles` is uint8 [ceil(n / 8), k / 32 * 8 * block bytes]."""
+
+    ggml_type: int
+    tiles: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def format(self) -> str:
+        return FORMAT_NAMES[self.ggml_type]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    def unpack(self) -> QuantizedWeight:
+        n, k = self.shape
+        nb, bb = k // BLOCK, BLOCK_BYTES[self.ggml_type]
+        t = self.tiles.view(-1, nb, TILE_ROWS * bb)
+        scales = 32 if self.ggml_type == GGML_Q4_1 else 16
+        parts = [t[..., 0:16].reshape(-1, nb, TILE_ROWS, 2)]
+        if self.ggml_type == GGML_Q4_1:
+            parts.append(t[..., 16:32].reshape(-1, nb, TILE_ROWS, 2))
+        groups = (bb - scales // TILE_ROWS) // 4            # dwords of quants per row and block: 4 or 8
+        quants = t[..., scales:].reshape(-1, nb, groups, TILE_ROWS, 4).permute(0, 1, 3, 2, 4)
+        parts.append(quants.reshape(-1, nb, TILE_ROWS, groups * 4))
+        rows = torch.cat(parts, dim=-1).permute(0, 2, 1, 3).reshape(-1, nb * bb)
+        return QuantizedWeight(self.ggml_type, rows[:n].contiguous(), self.shape)
+
+
+def pack(weight: QuantizedWeight) -> PackedWeight:
+    """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load)."""
+    _check_weight(weight)
+    n, k = weight.shape
+    nb, bb = k // BLOCK, BLOCK_BYTES[weight.ggml_type]
+    padded = -(-n // TILE_ROWS) * TILE_ROWS
+    blocks = torch.zeros(padded, nb, bb, dtype=torch.uint8)
+    blocks[:n] = weight.data.view(n, nb, bb)
+    blocks = blocks.view(-1, TILE_ROWS, nb, bb).permute(0, 2, 1, 3)     # [tiles, nb, 8 rows, bb]
+    scales = 4 if weight.ggml_type == GGML_Q4_1 else 2
+    parts = [blocks[..., 0:2].reshape(-1, nb, 16)]
+    if weight.ggml_type == GGML_Q4_1:
+        parts.append(blocks[..., 2:4].reshape(-1, nb, 16))
+    groups = (bb - scales) // 4
+    quants = blocks[..., scales:].reshape(-1, nb, TILE_ROWS, groups, 4).permute(0, 1, 3, 2, 4)
+    parts.append(quants.reshape(-1, nb, groups * TILE_ROWS * 4))
+    tiles = torch.cat(parts, dim=-1).reshape(padded // TILE_ROWS, nb * TILE_ROWS * bb).contiguous()
+    return PackedWeight(weight.ggml_type, tiles, weight.shape)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block of 32 along the last dim: (q int8 [m, k], d float32 [m, k/32], s = d * sum(q) [m, k/32]),
+    rounded as the C kernel rounds (float32, ties to even)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    s = d * q.sum(dim=-1, dtype=torch.int32).float()
+    return q.reshape(m, k), d, s
+
+
+def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the kernel computes, in float64: the same int8 activations, exact integer block dots, then the
+    block scales. It differs from the kernel only by float32 rounding of the per-block sums."""
+    n, k = weight.shape
+    nb = k // BLOCK
+    q, d, s = quantize_activations(x)
+    blocks = weight.data.view(n, nb, BLOCK_BYTES[weight.ggml_type])
+    wd = blocks[..., 0:2].contiguous().view(torch.float16).double()[..., 0]   # [n, nb]
+    if weight.ggml_type == GGML_Q8_0:
+        wq = blocks[..., 2:].contiguous().view(torch.int8).double()
+        corr = torch.zeros_like(wd)
+    else:
+        packed = blocks[..., 4:] if weight.ggml_type == GGML_Q4_1 else blocks[..., 2:]
+        wq = torch.cat([packed & 0x0F, packed >> 4], dim=-1).double()
+        corr = (blocks[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+                if weight.ggml_type == GGML_Q4_1 else -8.0 * wd)
+    idot = torch.einsum("mbj,nbj->mnb", q.double().view(-1, nb, BLOCK), wq)  # exact: integers below 2^53
+    y = (idot * wd[None] * d.double()[:, None, :]).sum(-1) + (corr[None] * s.double()[:, None, :]).sum(-1)
+    return y
+
+
+def _library():
+    from .cpu_kernels import load_library
+
+    return load_library("gguf_linear")
+
+
+def kernel_available() -> bool:
+    """True when the C kernel builds and loads here (a C compiler, and KERNEL_LAB_CPU_KERNELS is not 0)."""
+    return _library() is not None
+
+
+def kernel_isa() -> str | None:
+    lib = _library()
+    return None if lib is None else lib.kl_gguf_isa().decode()
+
+
+def _check_weight(weight, packed_ok: bool = False) -> None:
+    kinds = (QuantizedWeight, PackedWeight) if packed_ok else (QuantizedWeight,)
+    if not isinstance(weight, kinds):
+        raise TypeError(f"weight must be a {' or '.join(k.__name__ for k in kinds)}, got {type(weight).__name__}")
+
+
+def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """y [m, n] = x [m, k] @ W.T (+ bias), W in GGUF blocks. x: float32 on CPU, stride 1 in its last dim.
+    `threads` defaults to torch's intra-op thread count. A QuantizedWeight is packed on every call (layers
+    pack once, at load). Without the C kernel (no compiler, or KERNEL_LAB_CPU_KERNELS=0) it computes the
+    float64 reference, slowly."""
+    _check_weight(weight, packed_ok=True)
+    check_tensor("x", x, dtypes=(torch.float32,), ndim=2)
+    n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"x must have {k} columns (the weight's in-features), got shape {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU (quantized GGUF weights run on the CPU), got {x.device}")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(torch.float32,), ndim=1)
+        if bias.shape[0] != n or bias.device.type != "cpu":
+            raise ValueError(f"bias must be a CPU tensor of shape ({n},), got {tuple(bias.shape)} on {bias.device}")
+    check_out("out", out, (m, n), torch.float32, x.device)
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    if x.stride(-1) != 1 and k > 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    lib = _library()
+    if lib is None:
+        y.copy_(gguf_linear_reference(x, weight.unpack() if isinstance(weight, PackedWeight) else weight))
+    else:
+        weight = pack(weight) if isinstance(weight, QuantizedWeight) else weight
+        threads = torch.get_num_threads() if threads is None else int(threads)
+        status = lib.kl_gguf_linear(weight.ggml_type, weight.tiles.data_ptr(), n, k, x.data_ptr(), m,
+                                    x.stride(0), y.data_ptr(), y.stride(0), threads)
+        if status != 0:
+            raise RuntimeError(f"kl_gguf_linear failed with status {status}")
+    if bias is not None:
+        y += bias
+    return y
+
+
+def dequantize_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), k]: the listed rows of W (an embedding lookup on a quantized table)."""
+    _check_weight(weight, packed_ok=True)
+    weight = pack(weight) if isinstance(weight, QuantizedWeight) else weight
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64), ndim=1)
+    n, k = weight.shape
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise ValueError(f"ids must lie in [0, {n}), got values in [{int(ids.min())}, {int(ids.max())}]")
+    ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+    lib = _library()
+    if lib is None:
+        return weight.unpack().dequantize()[ids]
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    if lib.kl_gguf_dequantize_rows(weight.ggml_type, weight.tiles.data_ptr(), k, ids.data_ptr(), ids.numel(),
+                                   out.data_ptr()) != 0:
+        raise RuntimeError("kl_gguf_dequantize_rows failed")
+    return out
