@@ -52,6 +52,8 @@ def _run_env(args) -> int:
 
 
 def add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
+    from kernel_lab.engine.config import WEIGHT_CHOICES
+
     parser.add_argument("--model", default=None,
                         help="Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -63,7 +65,7 @@ def add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 20
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--weights", default="auto", choices=["auto", "quantized", "float32"],
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                         help="CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
                              "(auto: quantized where the model and the CPU allow it)")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kernel_lab.models.llama import ModelConfig
-from kernel_lab.models.loader import load_config, resolve_model_dir
+from kernel_lab.models.loader import has_quantized_weights, load_config, resolve_model_dir
 from kernel_lab.ops.kv_cache import FP8_DTYPE, SUPPORTED_BLOCK_SIZES, kv_cache_bytes
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -19,6 +19,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _KV_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
+WEIGHT_CHOICES = ("auto", "quantized", "float32")
 
 
 def resolve_device(device) -> torch.device:
@@ -57,7 +58,12 @@ class EngineConfig:
     """`model`: None (the bundled SmolLM2-135M-Instruct), a GGUF file or Hugging Face directory, or a
     config.json as a dict (random weights, token-id prompts only). After construction `device`, `dtype` and
     `kv_cache_dtype` hold torch objects and `max_num_batched_tokens` a number; `num_kv_blocks` is filled
-    by `resolve_num_kv_blocks` once the model is built (on CUDA the default depends on its activations)."""
+    by `resolve_num_kv_blocks` once the model is built (on CUDA the default depends on its activations).
+
+    `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0 blocks (CPU, float32 activations, the C kernel
+    of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto" (default) picks quantized
+    wherever it applies, the faster path in projects/09_engine's measurements. After construction it holds
+    the path taken."""
 
     model: str | dict | None = None
     dtype: str | torch.dtype = "auto"
@@ -110,9 +116,36 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
+        if self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {self.weights!r}")
+
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+        self.weights = self._resolve_weights()
+
+    def _resolve_weights(self) -> str:
+        if self.weights == "float32":
+            return "float32"
+        blocker = self._quantized_blocker()
+        if blocker and self.weights == "quantized":
+            raise ValueError(f"weights='quantized' is not possible here: {blocker}; use weights='float32' "
+                             "or 'auto'")
+        return "float32" if blocker else "quantized"
+
+    def _quantized_blocker(self) -> str | None:
+        """Why the quantized path cannot run, or None."""
+        if self.device.type != "cpu":
+            return f"it runs on the CPU and the device is {self.device.type}"
+        if self.dtype != torch.float32:
+            return f"it takes float32 activations and dtype is {str(self.dtype).replace('torch.', '')}"
+        if not has_quantized_weights(self.model_dir):
+            return "the model has no Q4_0, Q4_1 or Q8_0 GGUF tensors (it must be loaded from such a .gguf file)"
+        from kernel_lab.ops.gguf_linear import kernel_available
+
+        if not kernel_available():
+            return "the C kernel is unavailable (no C compiler, a failed build, or KERNEL_LAB_CPU_KERNELS=0)"
+        return None
 
     @property
     def blocks_per_seq(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from kernel_lab.models.llama import build_model, random_state_dict
-from kernel_lab.models.loader import load_state_dict
+from kernel_lab.models.loader import load_quantized_weights, load_state_dict
 from kernel_lab.models.tokenizer import TokenIdsOnly, Tokenizer
 
 from .block_manager import BlockManager
@@ -40,7 +40,8 @@ class LLMEngine:
             weights = random_state_dict(self.model_config, self.dtype, self.device, seed=config.seed)
         else:
             self.tokenizer = Tokenizer.from_directory(self.model_dir)
-            weights = load_state_dict(self.model_dir)
+            quantized = load_quantized_weights(self.model_dir) if config.weights == "quantized" else {}
+            weights = {**load_state_dict(self.model_dir, skip=quantized), **quantized}
         model_obj = build_model(self.model_config, weights, self.dtype, self.device, self.max_model_len)
         num_kv_blocks = config.resolve_num_kv_blocks(model_obj)
         self.runner = ModelRunner(
@@ -135,4 +136,6 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
+            "weights": self.config.weights,
+            "weight_bytes": self.runner.model.decode_weight_bytes(),
         }

