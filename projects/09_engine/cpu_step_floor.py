@@ -57,7 +57,8 @@ def projection_gemms(model, rows: int, with_lm_head: bool):
 def decode_step_timing(batch: int, input_len: int, steps: int, warmup: int, seed: int):
     """Timing of `steps` steady decode steps at `batch` sequences, and the engine (for its model)."""
     rng = random.Random(seed)
-    engine = LLMEngine(None, dtype="float32", device="cpu", max_num_seqs=batch, enable_prefix_caching=False,
+    engine = LLMEngine(None, dtype="float32", device="cpu", weights="float32", max_num_seqs=batch,
+                       enable_prefix_caching=False,
                        max_model_len=input_len + warmup + steps + 8)
     params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
     for i in range(batch):

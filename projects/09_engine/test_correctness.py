@@ -52,7 +52,7 @@ FIRST_WAVE = 10   # added before the first step; the rest join while these run
 CHAT = [[{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name a primary color."}]]
 
-ENGINE_KWARGS = dict(dtype="float32", device="cpu", max_model_len=512, max_num_seqs=16, num_kv_blocks=64,
+ENGINE_KWARGS = dict(dtype="float32", device="cpu", weights="float32", max_model_len=512, max_num_seqs=16, num_kv_blocks=64,
                      max_num_batched_tokens=128, block_size=16)
 
 

@@ -1,0 +1,262 @@
+"""The quantized CPU linear layer (kernel_lab/ops/gguf_linear.py, kernel_lab/csrc/cpu/gguf_linear.c).
+
+- The C kernel against `gguf_linear_reference` (the same int8 activations, exact integer block dots, float64
+  scales): equal up to float32 summation, for every format, odd shapes, strided inputs, poisoned outputs.
+- Against float64 x @ W.T on the dequantized weights, within the bound the activation rounding implies:
+  |error| <= sum over blocks of (amax_block(x) / 254) * sum_block |W| (plus float32 summation).
+- Every ISA variant this CPU can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar C) built and compared, and the
+  default build holds the instructions its path relies on.
+- The thread pool splits rows without changing a bit, call after call; the 8-row packing is lossless; the
+  block decoding matches the gguf package's own; bad inputs raise errors that name the argument.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kernel_lab.harness.testing import case_seed, generator, poison
+from kernel_lab.ops import cpu_kernels
+from kernel_lab.ops.gguf_linear import (
+    BLOCK,
+    BLOCK_BYTES,
+    FORMATS,
+    GGML_Q4_1,
+    GGML_Q8_0,
+    QuantizedWeight,
+    dequantize_rows,
+    gguf_linear,
+    gguf_linear_reference,
+    kernel_isa,
+    pack,
+    quantize_activations,
+)
+
+EPS32 = 2.0 ** -23
+SHAPES = [  # (rows of x, out features, in features): tile edges (8), partial tiles, TILE_M edges (4)
+    (1, 8, 32), (2, 7, 64), (3, 37, 96), (4, 264, 576), (5, 1, 32), (9, 129, 1536), (33, 40, 160),
+]
+
+
+def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Every quant bit pattern occurs; scales are random fp16 of both signs (llama.cpp's Q4_0 and Q8_0
+    scales are negative when a block's largest magnitude is negative), Q4_1 minimums likewise."""
+    ggml_type, g = FORMATS[fmt], generator(seed)
+    nb, bb = k // BLOCK, BLOCK_BYTES[FORMATS[fmt]]
+    data = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
+    sign = torch.where(torch.rand(n, nb, 1, generator=g) < 0.3, -1.0, 1.0)
+    data[..., 0:2] = (sign * (0.002 + 0.03 * torch.rand(n, nb, 1, generator=g))).half().view(torch.uint8)
+    if ggml_type == GGML_Q4_1:
+        data[..., 2:4] = (0.2 * torch.rand(n, nb, 1, generator=g) - 0.15).half().view(torch.uint8)
+    return QuantizedWeight(ggml_type, data.view(n, nb * bb), (n, k))
+
+
+def random_x(m: int, k: int, seed: int, strided: bool = False) -> torch.Tensor:
+    g = generator(seed)
+    x = torch.randn(m, k + 5 if strided else k, generator=g) * (1 + 3 * torch.rand(m, 1, generator=g))
+    return x[:, 3:3 + k] if strided else x
+
+
+def summation_tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Float32 rounding allowance of the kernel's block sums: (blocks + 4) ulps of sum |terms|."""
+    magnitude = (x.double().abs() * 1.01) @ weight.dequantize().double().abs().T
+    return (weight.shape[1] // BLOCK + 4) * EPS32 * magnitude + 1e-30
+
+
+def activation_rounding_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """sum_b (amax_b / 254) * sum_{j in b} |W_nj|: the most int8 rounding of x (half a step, d / 2 with
+    d = amax / 127, per element) can move each output."""
+    m, k = x.shape
+    half_step = x.double().reshape(m, k // BLOCK, BLOCK).abs().amax(-1) / 254.0          # [m, nb]
+    w_abs = weight.dequantize().double().abs().reshape(weight.shape[0], k // BLOCK, BLOCK).sum(-1)  # [n, nb]
+    return half_step @ w_abs.T
+
+
+def run_kernel(lib, x: torch.Tensor, weight: QuantizedWeight, threads: int = 1) -> torch.Tensor:
+    """One call of a given build of the library, into a poisoned output."""
+    packed = pack(weight)
+    n, k = weight.shape
+    y = poison(torch.empty(x.shape[0], n))
+    assert lib.kl_gguf_linear(weight.ggml_type, packed.tiles.data_ptr(), n, k, x.data_ptr(), x.shape[0],
+                              x.stride(0), y.data_ptr(), y.stride(0), threads) == 0
+    return y
+
+
+@pytest.fixture(scope="module")
+def library():
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH)")
+    lib = cpu_kernels.load_library("gguf_linear")
+    assert lib is not None, "a C compiler is on PATH but gguf_linear.c did not build"
+    return lib
+
+
+# ------------------------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_matches_the_exact_reference(library, fmt, m, n, k):
+    seed = case_seed("gguf-exact", fmt, m, n, k)
+    weight = random_weight(fmt, n, k, seed)
+    x = random_x(m, k, seed + 1, strided=m % 2 == 1)
+    out = poison(torch.empty(m, n))
+    y = gguf_linear(x, pack(weight), out=out)
+    assert y is out and torch.isfinite(y).all(), "an output element was left unwritten"
+    error = (y.double() - gguf_linear_reference(x, weight)).abs()
+    assert bool((error <= summation_tolerance(x, weight)).all()), f"max error {error.max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m,n,k", SHAPES[2:5])
+def test_kernel_vs_float64_on_the_dequantized_weights(library, fmt, m, n, k):
+    """The stated per-format bound: activation rounding, and nothing else, separates the kernel from
+    float64 x @ W.T on the very weights the blocks encode. The bound is not loose: the error reaches a
+    visible fraction of it (a test that cannot fail is a defect)."""
+    seed = case_seed("gguf-f64", fmt, m, n, k)
+    weight = random_weight(fmt, n, k, seed)
+    x = random_x(m, k, seed + 1)
+    y = gguf_linear(x, weight, bias=(bias := torch.randn(n, generator=generator(seed + 2))))
+    exact = x.double() @ weight.dequantize().double().T + bias.double()
+    bound = activation_rounding_bound(x, weight) + summation_tolerance(x, weight) + 1e-6 * bias.double().abs()
+    error = (y.double() - exact).abs()
+    assert bool((error <= bound).all()), f"worst error / bound {(error / bound).max():.3g}"
+    assert float((error / bound).max()) > 0.02, "the error is far below its bound: is x being quantized?"
+
+
+def test_activation_rounding_matches_torch(library):
+    """The C rounding of x to int8 blocks is bit-for-bit quantize_activations (ties to even included)."""
+    x = random_x(6, 160, case_seed("gguf-act"))
+    x[0, :32] = torch.arange(32) - 15.5              # halves that round to even
+    x[1, 32:64] = 0.0                                 # an all-zero block: d = 0, q = 0
+    q, d, s = (torch.empty(6, 160, dtype=torch.int8), torch.empty(6, 5), torch.empty(6, 5))
+    library.kl_gguf_quantize_activations(x.data_ptr(), 6, 160, x.stride(0), q.data_ptr(), d.data_ptr(),
+                                         s.data_ptr())
+    q_ref, d_ref, s_ref = quantize_activations(x)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref) and torch.equal(s, s_ref)
+
+
+def _isa_expected(flags: str) -> str:
+    if " avx512_vnni " in flags and " avx512vl " in flags:
+        return "avx512vnni"
+    if " avx_vnni " in flags:
+        return "avxvnni"
+    if all(f" {f} " in flags for f in ("avx2", "fma", "f16c")):
+        return "avx2"
+    return "scalar"
+
+
+# Narrower builds of the same source, each a path some CPU takes: (flags after -march=native, the path).
+VARIANTS = [(("-mno-avx512f",), None), (("-mno-avx512f", "-mno-avxvnni"), "avx2"), (("-mno-avx",), "scalar")]
+
+
+@pytest.mark.parametrize("extra_flags,expected", VARIANTS, ids=["no-avx512", "no-vnni", "scalar"])
+def test_every_isa_path_this_cpu_runs(library, extra_flags, expected):
+    """Each narrower build computes the same products: compared with the exact reference, and with the
+    default build (which may round the float sums in another order, so within the same tolerance)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the ISA variants are x86-64 builds")
+    flags = f" {cpu_kernels._cpu_flags()} "
+    lib = cpu_kernels.load_library("gguf_linear", extra_flags)
+    assert lib is not None, f"the {extra_flags} build failed"
+    isa = lib.kl_gguf_isa().decode()
+    if expected is None:  # without AVX-512: VNNI only where the CPU has AVX-VNNI
+        expected = _isa_expected(flags.replace(" avx512_vnni ", " "))
+    if expected == "avx2" and _isa_expected(flags) == "scalar":
+        expected = "scalar"
+    assert isa == expected
+    for fmt in sorted(FORMATS):
+        seed = case_seed("gguf-isa", extra_flags, fmt)
+        weight, x = random_weight(fmt, 37, 96, seed), random_x(5, 96, seed + 1)
+        y = run_kernel(lib, x, weight)
+        tol = summation_tolerance(x, weight)
+        assert bool(((y.double() - gguf_linear_reference(x, weight)).abs() <= tol).all()), (isa, fmt)
+        assert bool(((y - run_kernel(library, x, weight)).double().abs() <= 2 * tol).all()), (isa, fmt)
+
+
+def test_default_build_takes_the_widest_path_and_holds_its_instructions(library):
+    """The library built for this CPU uses its best dot-product instruction: vpdpbusd (VNNI) or vpmaddubsw
+    (AVX2). A silent fallback to the scalar loop would pass every maths test while running 10x slower."""
+    flags = f" {cpu_kernels._cpu_flags()} "
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction check is written for x86-64")
+    isa = kernel_isa()
+    assert isa == _isa_expected(flags)
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) not on PATH")
+    path = cpu_kernels.build(cpu_kernels.compiler(), cpu_kernels.GGUF_LINEAR_SOURCE)
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    wanted = {"avx512vnni": r"\bvpdpbusd\b", "avxvnni": r"\bvpdpbusd\b", "avx2": r"\bvpmaddubsw\b"}.get(isa)
+    if wanted:
+        assert len(re.findall(wanted, listing)) >= 8, f"{isa} build without {wanted}"
+
+
+def test_threads_split_rows_without_changing_a_bit(library):
+    """Many calls with 1, 2 and 3 threads (the pool wakes, splits tiles, and sleeps between calls, including
+    calls too small to split) give identical outputs."""
+    for call in range(60):
+        fmt = sorted(FORMATS)[call % 3]
+        n = (264, 40, 1030)[call % 3]
+        seed = case_seed("gguf-threads", call)
+        weight, x = random_weight(fmt, n, 64, seed), random_x(1 + call % 6, 64, seed + 1)
+        packed = pack(weight)
+        single = gguf_linear(x, packed, threads=1)
+        assert torch.equal(gguf_linear(x, packed, threads=2 + call % 2), single), call
+
+
+def test_packing_is_lossless_and_embedding_rows_decode(library):
+    for fmt in sorted(FORMATS):
+        weight = random_weight(fmt, 21, 96, case_seed("gguf-pack", fmt))
+        packed = pack(weight)
+        assert packed.tiles.shape[0] == 3 and packed.nbytes == 24 * weight.nbytes // 21
+        assert torch.equal(packed.unpack().data, weight.data)
+        ids = torch.tensor([0, 20, 7, 8, 7])
+        assert torch.equal(dequantize_rows(packed, ids), weight.dequantize()[ids])
+
+
+def test_block_decoding_matches_the_gguf_package():
+    """Our reading of the three block formats is the gguf package's (llama.cpp's Python reference)."""
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    for fmt in sorted(FORMATS):
+        weight = random_weight(fmt, 5, 64, case_seed("gguf-decode", fmt))
+        theirs = quants.dequantize(weight.data.numpy(), GGMLQuantizationType[fmt])
+        assert torch.equal(weight.dequantize(), torch.from_numpy(theirs).float().reshape(5, 64)), fmt
+
+
+def test_without_the_kernel_the_reference_runs(monkeypatch):
+    monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")
+    weight = random_weight("Q8_0", 9, 64, case_seed("gguf-off"))
+    x = random_x(3, 64, case_seed("gguf-off", 1))
+    assert torch.equal(gguf_linear(x, weight).double(), gguf_linear_reference(x, weight).float().double())
+    ids = torch.tensor([8, 0])
+    assert torch.equal(dequantize_rows(weight, ids), weight.dequantize()[ids])
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_argument():
+    weight = random_weight("Q4_1", 16, 64, case_seed("gguf-bad"))
+    x = random_x(2, 64, case_seed("gguf-bad", 1))
+    cases = [
+        (lambda: gguf_linear(x.half(), weight), TypeError, "x must have dtype"),
+        (lambda: gguf_linear(x[:, :32], weight), ValueError, "x must have 64 columns"),
+        (lambda: gguf_linear(x[0], weight), ValueError, "x must be 2-D"),
+        (lambda: gguf_linear(x.to("meta"), weight), ValueError, "x must be on the CPU"),
+        (lambda: gguf_linear(x, weight.data), TypeError, "weight must be"),
+        (lambda: gguf_linear(x, weight, bias=torch.ones(15)), ValueError, "bias must be"),
+        (lambda: gguf_linear(x, weight, out=torch.empty(2, 15)), ValueError, "out must have shape"),
+        (lambda: QuantizedWeight(7, weight.data, (16, 64)), ValueError, "ggml_type must be"),
+        (lambda: QuantizedWeight(GGML_Q4_1, weight.data, (16, 80)), ValueError, "shape must be"),
+        (lambda: QuantizedWeight(GGML_Q8_0, weight.data, (16, 64)), ValueError, "data must have shape"),
+        (lambda: QuantizedWeight(GGML_Q4_1, weight.data.char(), (16, 64)), TypeError, "data must have dtype"),
+        (lambda: dequantize_rows(weight, torch.tensor([3, 16])), ValueError, r"ids must lie in \[0, 16\)"),
+        (lambda: dequantize_rows(weight, torch.tensor([0.0])), TypeError, "ids must have dtype"),
+    ]
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()
