@@ -138,4 +138,5 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "weights": self.config.weights,
             "weight_bytes": self.runner.model.decode_weight_bytes(),
+            "resident_weight_bytes": self.runner.model.resident_weight_bytes(),
         }

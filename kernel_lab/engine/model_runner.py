@@ -13,6 +13,7 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.llama import ModelConfig
+from kernel_lab.ops.cpu_kernels import load_library
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
@@ -44,6 +45,7 @@ class StepInputs:
     prefix_slots: list[int]
     sample_rows: list[int]
     sample_seqs: list[Sequence]
+    row_seqs: list[Sequence]
 
 
 class ModelRunner:
@@ -63,6 +65,14 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self._copies_done = None
         self._allocate_kv_cache(kv_cache_dtype)
+        # On CPU every token, prompt tokens too, attends through the paged decode kernel, one query at a time
+        # over its own context. A row's result then depends on nothing else in the step: not the batch, the
+        # chunking or the prefix cache, so a seeded request reproduces exactly. Prefill attention through
+        # SDPA differs by an ulp with the chunk and cached-prefix lengths, and the int8 activations of the
+        # quantized weights turn that into visibly different logits. The cost is small next to the linear
+        # layers on a CPU; on CUDA, prefill keeps SDPA's flash kernel.
+        self.prompt_tokens_decode = (device.type == "cpu" and dtype == kv_cache_dtype == torch.float32
+                                     and load_library() is not None)
 
         self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, tuple] = {}
@@ -118,10 +128,11 @@ class ModelRunner:
         decodes = [(s, n) for s, n in items if n == 1]
         prefills = [(s, n) for s, n in items if n > 1]
         input_ids, positions, slots, sample_rows, sample_seqs = [], [], [], [], []
-        prefix_slots, chunk_specs = [], []
+        prefix_slots, chunk_specs, row_seqs = [], [], []
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             row0 = len(input_ids)
+            row_seqs += [seq] * n
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += self._slots(seq, start, start + n)
@@ -131,13 +142,14 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        return StepInputs(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs)
+        return StepInputs(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs,
+                          row_seqs)
 
-    def _decode_tables(self, decodes, width: int | None = None):
-        width = width or max(len(s.block_table) for s, _ in decodes)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes]
-        lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-        return tables, lens
+    def _query_tables(self, seqs: list[Sequence], positions: list[int], width: int | None = None):
+        """Block tables (padded to `width`) and context lengths of queries at `positions` of `seqs`."""
+        width = width or max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return tables, [p + 1 for p in positions]
 
     # ------------------------------------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -169,13 +181,15 @@ class ModelRunner:
         return logits, step.sample_seqs
 
     def _run_eager(self, step: StepInputs):
+        every_row = self.prompt_tokens_decode
         meta = AttentionMetadata(slot_mapping=self._to_device("slots", step.slots, torch.int64),
-                                 num_decode_tokens=len(step.decodes))
-        if step.decodes:
-            tables, lens = self._decode_tables(step.decodes)
+                                 num_decode_tokens=len(step.input_ids) if every_row else len(step.decodes))
+        if meta.num_decode_tokens:
+            rows = meta.num_decode_tokens
+            tables, lens = self._query_tables(step.row_seqs[:rows], step.positions[:rows])
             meta.decode_block_tables = self._to_device("tables", tables, torch.int32)
             meta.decode_seq_lens = self._to_device("lens", lens, torch.int32)
-        if step.chunk_specs:
+        if step.chunk_specs and not every_row:
             all_prefix = self._to_device("prefix", step.prefix_slots, torch.int64) if step.prefix_slots else None
             for start, end, num_cached, offset in step.chunk_specs:
                 prefix = all_prefix[offset:offset + num_cached] if num_cached else None
@@ -220,7 +234,7 @@ class ModelRunner:
         n = len(decodes)
         size = self._bucket(n)
         pad = size - n
-        tables, lens = self._decode_tables(decodes, self.max_blocks_per_seq)
+        tables, lens = self._query_tables(step.row_seqs, positions, self.max_blocks_per_seq)
         # Padding rows write nothing (slot -1) and attend to nothing (length 0).
         self.static_ids[:size].copy_(self._to_device("ids", input_ids + [0] * pad, torch.int64), non_blocking=True)
         self.static_positions[:size].copy_(self._to_device("positions", positions + [0] * pad, torch.int64),

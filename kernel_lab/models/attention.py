@@ -4,10 +4,14 @@ A step's batch is one flat list of tokens: first one token per decoding sequence
 (a run of prompt tokens per sequence, possibly after a cached prefix). Every token's K and V go into the
 paged cache first (`write_kv`, at `slot_mapping`); then
 
-- decode tokens run `paged_decode_attention` (project 04's kernel on CUDA, the reference on CPU), reading
+- decode tokens run `paged_decode_attention` (project 04's kernel on CUDA, the C kernel on CPU), reading
   each sequence's whole context through its block table;
 - each prefill chunk runs causal `scaled_dot_product_attention` over [cached prefix from the pages, then
   the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised when it is fp8).
+
+On CPU the model runner marks every token as a decode token (one query per row, its context length its
+position + 1), so prompt tokens too go through the decode kernel and no row depends on the rest of the step
+(engine/model_runner.py says why).
 """
 
 from __future__ import annotations

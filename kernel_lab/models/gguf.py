@@ -122,6 +122,11 @@ def _open_reader(path: Path):
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
 
 
+def tensor_bytes(path) -> int:
+    """Bytes of the GGUF file's tensor data, as stored (quantized blocks included)."""
+    return sum(int(t.n_bytes) for t in _open_reader(Path(path)).tensors)
+
+
 def _architecture(metadata: dict, path) -> tuple[str, str, str, bool, bool]:
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:

@@ -316,6 +316,14 @@ class LlamaForCausalLM(nn.Module):
                                                                           layer.gate_up_proj, layer.down_proj)]
         return sum(weight_bytes(m) for m in layers)
 
+    def resident_weight_bytes(self) -> int:
+        """Bytes the weights occupy in memory, each storage counted once (a tied lm_head shares the
+        embedding's): parameters, buffers and the quantized layers' packed tiles."""
+        tensors = [*self.parameters(), *self.buffers()]
+        tensors += [m.packed.tiles for m in self.modules() if getattr(m, "packed", None) is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass

@@ -87,11 +87,14 @@ def test_completions_greedy_usage_and_determinism(live_server, client, model):
 
 
 def test_capital_of_france_is_paris(client, model):
+    # A question the 135M model answers with a clear margin (first token ahead by about 1.4 nats, fp32 and
+    # quantized weights alike). "What is the capital of France?" is a near-tie at its first token even in
+    # fp32 ("The" -1.88 vs "L" -1.97), so which answer greedy gives there is rounding, not the server.
     out = client.chat.completions.create(
         model=model,
         temperature=0,
         max_tokens=20,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": "Name the capital of France."}],
     )
     assert "Paris" in out.choices[0].message.content
 

@@ -1,0 +1,97 @@
+"""The engine on the GGUF's quantized weights (weights="quantized"), end to end on the bundled SmolLM2.
+
+- memory: the resident weights stay within 1.2x the GGUF file's tensor bytes, and a decode step reads
+  under a fifth of the fp32 path's bytes;
+- logits: the fp32 path runs the same dequantized weights, so the two differ only by the int8 activations.
+  On these prompts the log-probabilities of fp32's five most likely tokens move by at most 0.36 (measured);
+  the bound here is 0.6, and the most likely token is the same wherever fp32's top-2 margin exceeds 0.6;
+- batch invariance: a request's logits are bit-identical alone, batched with others, split into prefill
+  chunks, and after another request filled the prefix cache. The int8 activations turn any 1-ulp difference
+  upstream into a visible one, so this only holds because every op, attention included, computes a row from
+  that row alone (model_runner.py: on CPU, prompt tokens attend through the paged decode kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_lab.engine import LLMEngine, SamplingParams
+from kernel_lab.ops.gguf_linear import kernel_available
+
+pytestmark = [pytest.mark.usefixtures("one_cpu_thread", "bundled_model", "reference_only"),
+              pytest.mark.skipif(not kernel_available(), reason="the quantized kernel needs a C compiler")]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are",
+           "The chemical symbol for gold is", "In 1969, the first person to walk on the moon was",
+           "import numpy as np\n", "My favourite food is", "Once upon a time"]
+CHAT = [{"role": "user", "content": "Write a word."}]
+KWARGS = dict(device="cpu", max_model_len=256, max_num_seqs=8, block_size=16)
+LOGPROB_BOUND = 0.6
+
+
+def _first_logprobs(engine: LLMEngine, prompts, params=None) -> list[dict[int, float]]:
+    params = params or SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"lp{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+    return [done[f"lp{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return LLMEngine(None, weights="quantized", **KWARGS)
+
+
+def test_auto_picks_quantized_and_memory_stays_near_the_file(quantized):
+    from kernel_lab.models.gguf import default_model_path, tensor_bytes
+
+    stats = quantized.stats()
+    assert stats["weights"] == "quantized"
+    assert LLMEngine(None, **KWARGS).stats()["weights"] == "quantized"  # the default where the kernel runs
+    file_bytes = tensor_bytes(default_model_path())
+    assert stats["resident_weight_bytes"] <= 1.2 * file_bytes
+    fp32 = LLMEngine(None, weights="float32", **KWARGS).stats()
+    assert stats["weight_bytes"] < fp32["weight_bytes"] / 5
+    assert fp32["resident_weight_bytes"] > 4 * file_bytes  # the measure sees the difference
+
+
+def test_logits_stay_near_the_fp32_path_on_the_same_weights(quantized):
+    q_rows = _first_logprobs(quantized, PROMPTS)
+    f_rows = _first_logprobs(LLMEngine(None, weights="float32", **KWARGS), PROMPTS)
+    worst = 0.0
+    for q, f in zip(q_rows, f_rows, strict=True):
+        top = sorted(f, key=f.get, reverse=True)
+        assert set(top[:5]) <= set(q), "fp32's five most likely tokens must be among the quantized top 20"
+        worst = max(worst, *(abs(q[t] - f[t]) for t in top[:5]))
+        if f[top[0]] - f[top[1]] > LOGPROB_BOUND:
+            assert max(q, key=q.get) == top[0]
+    assert worst <= LOGPROB_BOUND
+    assert worst > 1e-3, "no difference at all: are the activations really quantized?"
+
+
+def test_a_request_computes_the_same_bits_whatever_runs_beside_it(quantized):
+    prompt = quantized.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    fresh = LLMEngine(None, weights="quantized", max_num_batched_tokens=24, **KWARGS)  # prompts split in chunks
+    alone = _first_logprobs(fresh, [prompt])[0]
+    batched = _first_logprobs(quantized, PROMPTS[:3] + [prompt] + PROMPTS[3:5])[3]
+    cached = _first_logprobs(quantized, [prompt])[0]        # now its full blocks come from the prefix cache
+    assert quantized.stats()["prefix_cache_hits"] > 0
+    assert alone == batched == cached
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.95, seed=1234, n=2)
+    texts = []
+    for engine, extra in ((fresh, []), (quantized, PROMPTS[:4])):
+        for i, p in enumerate([prompt] + extra):
+            engine.add_request(f"s{i}", p, seeded if i == 0 else SamplingParams(max_tokens=6, temperature=0.7))
+        while engine.has_unfinished_requests():
+            texts += [[c.token_ids for c in o.outputs] for o in engine.step() if o.finished and o.request_id == "s0"]
+    assert texts[0] == texts[1]
+
+
+def test_quantized_weights_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="weights.*float32 activations"):
+        LLMEngine(None, weights="quantized", dtype="bfloat16", device="cpu", max_model_len=64)
+    assert LLMEngine(None, dtype="bfloat16", device="cpu", max_model_len=64).stats()["weights"] == "float32"
