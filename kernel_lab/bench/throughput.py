@@ -209,7 +209,8 @@ def _bench_llama_cpp(args, workload) -> dict:
     if [len(o) for o in out["outputs"]] != [n for _, n in workload]:
         raise SystemExit("llama.cpp did not generate exactly the requested number of tokens per request")
     return {"elapsed_time": out["elapsed_time"], "generated": out["generated"], "device": "cpu",
-            "dtype": "gguf weights as stored (f32 activations, f16 KV cache)", "threads": threads,
+            "dtype": "gguf weights as stored (8-bit activations in quantized dot products, f16 KV cache)",
+            "threads": threads,
             "llama_cpp": {"version": out["llama_cpp_python"], "system_info": out["system_info"],
                           "gguf": str(model), "python": str(python), "n_batch": out["n_batch"],
                           "kv_unified": out["kv_unified"]}}
