@@ -1,7 +1,12 @@
-"""`kernel-lab bench throughput`: offline throughput of this engine, Hugging Face transformers or vLLM on the same
-token-id workload, modelled on `vllm bench throughput`.
+"""`kernel-lab bench throughput`: offline throughput of this engine, Hugging Face transformers, vLLM or llama.cpp on
+the same token-id workload, modelled on `vllm bench throughput`.
 
-    kernel-lab bench throughput --num-prompts 32 --input-len 128 --output-len 128 [--backend transformers|vllm]
+    kernel-lab bench throughput --num-prompts 32 --input-len 128 --output-len 128 \
+        [--backend transformers|vllm|llama.cpp] [--threads N]
+
+llama.cpp runs in a subprocess with the Python of its own environment (`--llama-cpp-python`, default
+.venv-llamacpp, built by `make llama-cpp-env`) on the GGUF file itself (the bundled one by default), through
+the continuous-batching loop of kernel_lab/bench/llama_cpp.py.
 """
 
 from __future__ import annotations
@@ -9,14 +14,29 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from kernel_lab.cli import add_engine_arguments, engine_kwargs
 
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_LLAMA_CPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
+BACKENDS = ["kernel-lab", "transformers", "vllm", "llama.cpp"]
+
 
 def add_bench_throughput_arguments(parser) -> None:
-    parser.add_argument("--backend", default="kernel-lab", choices=["kernel-lab", "transformers", "vllm"],
-                        help="vllm: vLLM's offline LLM, eager (needs vllm installed, e.g. project 08's .venv-vllm)")
+    parser.add_argument("--backend", default="kernel-lab", choices=BACKENDS,
+                        help="vllm: vLLM's offline LLM, eager (needs vllm installed, e.g. project 08's .venv-vllm); "
+                             "llama.cpp: llama-cpp-python's C API with continuous batching, in --llama-cpp-python")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads: torch's intra-op threads (kernel-lab, transformers), n_threads and "
+                             "n_threads_batch (llama.cpp), the bound cores 0..N-1 (vllm, unless "
+                             "VLLM_CPU_OMP_THREADS_BIND is set). Default: torch's default; all cores for llama.cpp")
+    parser.add_argument("--llama-cpp-python", default=str(DEFAULT_LLAMA_CPP_PYTHON),
+                        help="a Python with llama_cpp and numpy (default: .venv-llamacpp, `make llama-cpp-env`)")
     parser.add_argument("--dataset-name", default="random", choices=["random", "fixed"],
                         help="random: random token ids, lengths drawn within --range-ratio; fixed: exact lengths")
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -48,6 +68,7 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: st
 def _bench_kernel_lab(args, workload) -> dict:
     from kernel_lab.engine import LLMEngine, SamplingParams
 
+    _set_torch_threads(args)
     engine = LLMEngine(args.model, **engine_kwargs(args))
     # Warm-up outside the timing: first calls allocate and (on CUDA) compile.
     engine.add_request("warmup", workload[0][0][:8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -62,8 +83,18 @@ def _bench_kernel_lab(args, workload) -> dict:
         for out in engine.step():
             generated += len(out.outputs[0].new_token_ids)
     elapsed = time.perf_counter() - start
+    import torch
+
     return {"elapsed_time": elapsed, "generated": generated, "device": engine.device.type,
-            "dtype": str(engine.dtype).replace("torch.", ""), "stats": engine.stats()}
+            "dtype": str(engine.dtype).replace("torch.", ""), "stats": engine.stats(),
+            "threads": torch.get_num_threads()}
+
+
+def _set_torch_threads(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
 
 def _bench_transformers(args, workload) -> dict:
@@ -74,6 +105,7 @@ def _bench_transformers(args, workload) -> dict:
     from kernel_lab.engine.config import resolve_device, resolve_dtype
     from kernel_lab.models.loader import resolve_model_dir
 
+    _set_torch_threads(args)
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else resolve_dtype(args.dtype, device, {})
@@ -101,7 +133,7 @@ def _bench_transformers(args, workload) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return {"elapsed_time": elapsed, "generated": generated, "device": device.type,
-            "dtype": str(dtype).replace("torch.", "")}
+            "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
 
 
 def vllm_cpu_env(cores: str | None = None) -> dict[str, str]:
@@ -116,6 +148,8 @@ def vllm_cpu_env(cores: str | None = None) -> dict[str, str]:
 def _bench_vllm(args, workload) -> dict:
     """vLLM's offline `LLM.generate` on the same token-id prompts, eager mode (on CPU: vllm-cpu). vLLM
     reads its CPU thread binding from the environment (VLLM_CPU_OMP_THREADS_BIND)."""
+    if args.threads and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.inputs import TokensPrompt
@@ -139,7 +173,47 @@ def _bench_vllm(args, workload) -> dict:
                            use_tqdm=False)
     elapsed = time.perf_counter() - start
     return {"elapsed_time": elapsed, "generated": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "device": current_platform.device_type, "dtype": dtype}
+            "device": current_platform.device_type, "dtype": dtype, "threads": args.threads}
+
+
+def gguf_path(model) -> Path:
+    """The GGUF file llama.cpp runs: `model` when it is one, else the bundled SmolLM2-135M-Instruct."""
+    from kernel_lab.models.gguf import default_model_path
+
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and (path.suffix.lower() == ".gguf" or path.read_bytes()[:4] == b"GGUF"):
+        return path
+    raise SystemExit(f"--backend llama.cpp needs a GGUF file; {str(model)!r} is not one")
+
+
+def _bench_llama_cpp(args, workload) -> dict:
+    """llama.cpp on the GGUF's own weights, in a subprocess with the llama.cpp environment's Python
+    (kernel_lab/bench/llama_cpp.py: continuous batching over max_num_seqs sequences, greedy, EOS ignored)."""
+    python = Path(args.llama_cpp_python)
+    if not python.exists():
+        raise SystemExit(f"no llama.cpp Python at {python}: build it with `make llama-cpp-env` "
+                         "(projects/09_engine/llama_cpp_env.sh) or pass --llama-cpp-python")
+    model = gguf_path(args.model)
+    threads = args.threads or os.cpu_count() or 1
+    spec = {"model": str(model), "prompts": [p for p, _ in workload], "output_len": [n for _, n in workload],
+            "concurrency": args.max_num_seqs, "threads": threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([str(python), "-m", "kernel_lab.bench.llama_cpp", str(src), str(dst)], check=True, env=env,
+                       stdout=sys.stderr)
+        out = json.loads(dst.read_text())
+    if [len(o) for o in out["outputs"]] != [n for _, n in workload]:
+        raise SystemExit("llama.cpp did not generate exactly the requested number of tokens per request")
+    return {"elapsed_time": out["elapsed_time"], "generated": out["generated"], "device": "cpu",
+            "dtype": "gguf weights as stored (8-bit activations in quantized dot products, f16 KV cache)",
+            "threads": threads,
+            "llama_cpp": {"version": out["llama_cpp_python"], "system_info": out["system_info"],
+                          "gguf": str(model), "python": str(python), "n_batch": out["n_batch"],
+                          "kv_unified": out["kv_unified"]}}
 
 
 def run_bench_throughput(args) -> int:
@@ -156,7 +230,8 @@ def run_bench_throughput(args) -> int:
         args.max_model_len = longest
     if args.max_model_len < longest:
         raise SystemExit(f"--max-model-len {args.max_model_len} is shorter than the longest request ({longest})")
-    runner = {"kernel-lab": _bench_kernel_lab, "transformers": _bench_transformers, "vllm": _bench_vllm}[args.backend]
+    runner = {"kernel-lab": _bench_kernel_lab, "transformers": _bench_transformers, "vllm": _bench_vllm,
+              "llama.cpp": _bench_llama_cpp}[args.backend]
     result = runner(args, workload)
     elapsed = result["elapsed_time"]
     prompt_tokens = sum(len(p) for p, _ in workload)
@@ -169,7 +244,7 @@ def run_bench_throughput(args) -> int:
         "model": args.model or "SmolLM2-135M-Instruct (bundled)",
         "dataset": args.dataset_name, "num_prompts": len(workload), "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio, "concurrency": args.max_num_seqs,
-        "device": result["device"], "dtype": result["dtype"], "seed": args.seed,
+        "device": result["device"], "dtype": result["dtype"], "threads": result.get("threads"), "seed": args.seed,
         "elapsed_time": elapsed, "num_requests": len(workload), "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens, "total_num_tokens": prompt_tokens + output_tokens,
         "requests_per_second": len(workload) / elapsed,
@@ -178,10 +253,12 @@ def run_bench_throughput(args) -> int:
     }
     if "stats" in result:
         summary["engine_stats"] = result["stats"]
+    if "llama_cpp" in result:
+        summary["llama_cpp"] = result["llama_cpp"]
     print(f"Throughput: {summary['requests_per_second']:.2f} requests/s, {summary['tokens_per_second']:.2f} "
           f"total tokens/s, {summary['output_tokens_per_second']:.2f} output tokens/s "
           f"({args.backend}, {len(workload)} prompts, concurrency {args.max_num_seqs}, {result['device']} "
-          f"{result['dtype']}, {elapsed:.1f} s)")
+          f"{result['dtype']}, {result.get('threads')} thread(s), {elapsed:.1f} s)")
     if args.output_json:
         from kernel_lab.harness.env import environment_record
 

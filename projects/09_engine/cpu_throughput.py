@@ -1,14 +1,20 @@
-"""CPU throughput of the engine against transformers' batched `generate` and vLLM CPU, on the same workload.
+"""CPU throughput of the engine against transformers' batched `generate`, vLLM CPU and llama.cpp, on the same
+workload.
 
-    python projects/09_engine/cpu_throughput.py [--concurrency 1 8 32] [--num-prompts 32] [--out results]
+    python projects/09_engine/cpu_throughput.py [--concurrency 1 8 32] [--threads 1 2] [--num-prompts 32]
+        [--backends transformers vllm llama.cpp] [--engine-args "--max-num-batched-tokens 512"] [--out results]
 
-For each concurrency it runs `kernel-lab bench throughput` in fresh processes, once per backend, on the
-same fixed-length workload (random token ids, greedy, EOS ignored, fp32), and keeps the raw JSON outputs
-under <out>/09_engine/raw/. vLLM runs with the Python of project 08's environment (`--vllm-python`,
-default .venv-vllm; skipped when it is absent), eager, one process, bound to as many cores as the others
-get threads. It then writes one result record with a case per concurrency: our output tok/s, with each
-baseline's wall time on the same workload (so `speedup` is the throughput ratio). Long: minutes per point
-on a 2-core CPU, dominated by concurrency 1.
+For each (concurrency, threads) it runs `kernel-lab bench throughput` in fresh processes, once per backend,
+on the same fixed-length workload (the same random token ids, greedy, EOS ignored), and keeps the raw JSON
+outputs under <out>/09_engine/raw/ (named backend-c<concurrency>-t<threads>.json). The engine runs with its
+defaults (on CPU: float32 activations, and weights='auto', which computes on the GGUF's quantized blocks);
+transformers and vLLM run in float32; llama.cpp runs the GGUF itself. vLLM runs with the Python of project
+08's environment (`--vllm-python`, default .venv-vllm), eager, one process, bound to as many cores as the
+others get threads; llama.cpp with the Python of .venv-llamacpp (`--llama-cpp-python`, `make
+llama-cpp-env`), continuous batching with max_num_seqs sequences and `threads` threads. A baseline whose
+Python is absent is skipped with a note. It then writes one result record with a case per (concurrency,
+threads): our output tok/s, with each baseline's wall time on the same workload (so `speedup` is the
+throughput ratio). Long: minutes per point on a 2-core CPU, dominated by concurrency 1.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,28 +30,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kernel_lab.bench.throughput import vllm_cpu_env  # noqa: E402
+from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, vllm_cpu_env  # noqa: E402
 from kernel_lab.harness.bench import Timing  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.models.llama import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
 
-BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)"}
+BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)", "llama.cpp": "llama.cpp"}
+
+
+def raw_name(backend: str, concurrency: int, threads: int) -> str:
+    return f"{backend}-c{concurrency}-t{threads}.json"
 
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
-          threads: int, python: str = sys.executable, reuse: bool = False) -> dict:
+          threads: int, python: str = sys.executable, reuse: bool = False, extra_args: list[str] = ()) -> dict:
     if reuse:  # build the record from an earlier run's raw outputs
         result = json.loads(out.read_text())
         expected = {"backend": backend, "concurrency": concurrency, "num_prompts": num_prompts,
                     "input_len": input_len, "output_len": output_len}
-        if any(result.get(k) != v for k, v in expected.items()):
-            raise SystemExit(f"{out} does not hold the run {expected}")
+        if any(result.get(k) != v for k, v in expected.items()) or result.get("threads") not in (None, threads):
+            raise SystemExit(f"{out} does not hold the run {expected | {'threads': threads}}")
         return result
     cmd = [python, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
            "--dataset-name", "fixed", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",
-           "--device", "cpu", "--output-json", str(out)]
+           "--device", "cpu", "--threads", str(threads), "--output-json", str(out), *extra_args]
     env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
            **vllm_cpu_env(f"0-{threads - 1}")}
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
@@ -57,6 +68,61 @@ def _timing(summary: dict) -> Timing:
                                       "requests": summary["num_requests"]})
 
 
+def fp32_weight_bytes() -> int:
+    return 4 * ModelConfig.from_hf(load_config(resolve_model_dir(None))).num_parameters
+
+
+def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultRecord:
+    """One record from the runs {(concurrency, threads): (ours, {backend: theirs})}: a case per point, our
+    output tok/s with each baseline's timing, and the weight-read bound from the bytes a decode step reads
+    (the engine's stats; the fp32 weights when an older raw output lacks them)."""
+    names = [BASELINES[b] for b in args.backends]
+    record = ResultRecord("09_engine", "CPU throughput vs transformers, vLLM CPU and llama.cpp", "cpu",
+                          description=f"bundled SmolLM2-135M-Instruct; {args.input_len} prompt + {args.output_len} "
+                                      "output tokens per request (the same random ids for every backend, greedy, "
+                                      "EOS ignored); kernel-lab: engine defaults (float32 activations, "
+                                      "weights=auto: the GGUF's quantized blocks on CPU)"
+                                      + (f", extra arguments {shlex.join(args.engine_args)}" if args.engine_args
+                                         else "")
+                                      + "; transformers: float32 batched generate in groups of `concurrency`, "
+                                      "left-padded; vLLM: vllm-cpu LLM.generate, float32, eager, max_num_seqs = "
+                                      "concurrency; llama.cpp: llama-cpp-python on the GGUF, continuous batching "
+                                      "over `concurrency` sequences; `threads` intra-op threads / cores for each. "
+                                      f"Baselines asked for: {', '.join(names) or 'none'}")
+    copy_gbps = record.ceilings["copy"]["GBps"] if copy_gbps is None else copy_gbps
+    ratios = {}
+    for (c, t), (ours, theirs) in runs.items():
+        shape = {"concurrency": c, "threads": t, "num_prompts": ours["num_prompts"], "input_len": args.input_len,
+                 "output_len": args.output_len}
+        stats = ours.get("engine_stats", {})
+        weight_bytes = stats.get("weight_bytes") or fp32_weight_bytes()
+        record.record.setdefault("weight_bytes", weight_bytes)
+        # Ceiling: each decode step reads every weight once and yields `c` tokens, so the copy bandwidth bounds
+        # output tok/s by c * bandwidth / weight bytes (an upper bound: it ignores prefill and compute).
+        bound_tok_s = c * copy_gbps * 1e9 / weight_bytes
+        ours_tok_s = ours["output_tokens_per_second"]
+        ratios[(c, t)] = {BASELINES[b]: ours_tok_s / r["output_tokens_per_second"] for b, r in theirs.items()}
+        extra = {"metric": {"unit": "tok/s", "value": ours_tok_s},
+                 "weights": stats.get("weights", "float32"), "weight_bytes": weight_bytes,
+                 "baseline_output_tok_s": {BASELINES[b]: r["output_tokens_per_second"] for b, r in theirs.items()},
+                 "ratio": ratios[(c, t)],
+                 "ceiling": "weight-read bound: concurrency x copy GB/s / bytes of weights a decode step reads",
+                 "ceiling_tok_s": bound_tok_s,
+                 "percent_of_ceiling": 100.0 * ours_tok_s / bound_tok_s}
+        if "llama.cpp" in theirs:
+            extra["llama_cpp"] = theirs["llama.cpp"].get("llama_cpp")
+        record.add_case(f"output tok/s, concurrency {c}, {t} thread{'s' if t > 1 else ''}", shape=shape,
+                        dtype="float32", timing=_timing(ours),
+                        baselines={BASELINES[b]: _timing(r) for b, r in theirs.items()}, extra=extra)
+        print(f"concurrency {c}, {t} thread(s): kernel-lab {ours_tok_s:.1f} output tok/s; " +
+              "; ".join(f"{b} {r['output_tokens_per_second']:.1f} ({ratios[(c, t)][BASELINES[b]]:.2f}x)"
+                        for b, r in theirs.items()))
+    record.set_headline("output tok/s, kernel-lab / baseline: " + "; ".join(
+        f"c{c} t{t}: " + (", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) or "no baseline")
+        for (c, t), rs in ratios.items()))
+    return record
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -65,52 +131,47 @@ def main(argv=None) -> int:
                         help="prompts at concurrency 1 (each runs alone, so fewer keep the run short)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads of both backends (1 keeps a shared 2-core machine predictable)")
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+                        help="intra-op threads / cores of every backend, one run per value (default: 1 and all)")
+    parser.add_argument("--backends", nargs="*", default=list(BASELINES), choices=list(BASELINES),
+                        help="baselines to run beside kernel-lab (default: all whose Python is present)")
+    parser.add_argument("--engine-args", default="",
+                        help="extra `kernel-lab bench throughput` arguments for our engine, one string")
     parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
                         help="a Python with vllm installed (project 08's environment); skipped if absent")
+    parser.add_argument("--llama-cpp-python", default=str(DEFAULT_LLAMA_CPP_PYTHON),
+                        help="a Python with llama_cpp (.venv-llamacpp, `make llama-cpp-env`); skipped if absent")
     parser.add_argument("--reuse-raw", action="store_true",
                         help="do not run: rebuild the record from the raw outputs of an earlier run")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
+    args.engine_args = shlex.split(args.engine_args)
     raw = Path(args.out) / "09_engine" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    backends = ["transformers"] + (["vllm"] if Path(args.vllm_python).exists() else [])
-    record = ResultRecord("09_engine", "CPU throughput vs transformers generate and vLLM CPU", "cpu",
-                          description=f"bundled SmolLM2-135M-Instruct, fp32, {args.input_len} prompt + "
-                                      f"{args.output_len} output tokens per request (random ids, greedy, EOS "
-                                      "ignored); transformers: batched generate in groups of `concurrency`, "
-                                      "left-padded; vLLM: vllm-cpu LLM.generate, eager, max_num_seqs = "
-                                      f"concurrency; {args.threads} intra-op thread(s) / core(s) for each")
-    weight_bytes = 4 * ModelConfig.from_hf(load_config(resolve_model_dir(None))).num_parameters
-    record.record["weight_bytes"] = weight_bytes
-    ratios = {}
+    pythons = {"transformers": sys.executable, "vllm": args.vllm_python, "llama.cpp": args.llama_cpp_python}
+    present = []
+    for b in args.backends:
+        if args.reuse_raw or Path(pythons[b]).exists():
+            present.append(b)
+        else:
+            print(f"note: skipping {b}: no Python at {pythons[b]}" +
+                  (" (make llama-cpp-env)" if b == "llama.cpp" else " (make plugin-test builds .venv-vllm)"
+                   if b == "vllm" else ""))
+    args.backends = present
+    runs = {}
     for c in args.concurrency:
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
-        shape = {"concurrency": c, "num_prompts": n, "input_len": args.input_len, "output_len": args.output_len}
-        ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / f"kernel-lab-c{c}.json",
-                     args.threads, reuse=args.reuse_raw)
-        theirs = {b: bench(b, c, n, args.input_len, args.output_len, raw / f"{b}-c{c}.json", args.threads,
-                           args.vllm_python if b == "vllm" else sys.executable, reuse=args.reuse_raw)
-                  for b in backends}
-        # Ceiling: each decode step reads every fp32 weight once and yields `c` tokens, so the copy bandwidth
-        # bounds output tok/s by c * bandwidth / weight bytes (an upper bound: it ignores prefill and compute).
-        bound_tok_s = c * record.ceilings["copy"]["GBps"] * 1e9 / weight_bytes
-        ratios[c] = {b: ours["output_tokens_per_second"] / t["output_tokens_per_second"] for b, t in theirs.items()}
-        record.add_case(
-            f"output tok/s, concurrency {c}", shape=shape, dtype="float32", timing=_timing(ours),
-            baselines={BASELINES[b]: _timing(t) for b, t in theirs.items()},
-            extra={"metric": {"unit": "tok/s", "value": ours["output_tokens_per_second"]},
-                   "baseline_output_tok_s": {BASELINES[b]: t["output_tokens_per_second"] for b, t in theirs.items()},
-                   "ceiling": "weight-read bound: concurrency x copy GB/s / fp32 weight bytes",
-                   "ceiling_tok_s": bound_tok_s,
-                   "percent_of_ceiling": 100.0 * ours["output_tokens_per_second"] / bound_tok_s},
-        )
-        print(f"concurrency {c}: kernel-lab {ours['output_tokens_per_second']:.1f} output tok/s; " +
-              "; ".join(f"{b} {t['output_tokens_per_second']:.1f} ({ratios[c][b]:.2f}x)" for b, t in theirs.items()))
-    record.set_headline("output tok/s, kernel-lab / baseline: " + "; ".join(
-        f"concurrency {c}: " + ", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) for c, rs in ratios.items()))
-    record.emit(args.out)
+        for t in args.threads:
+            ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / raw_name("kernel-lab", c, t), t,
+                         reuse=args.reuse_raw, extra_args=args.engine_args)
+            theirs = {}
+            for b in args.backends:
+                extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
+                theirs[b] = bench(b, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t), t,
+                                  pythons[b] if b == "vllm" else sys.executable, reuse=args.reuse_raw,
+                                  extra_args=extra)
+            runs[(c, t)] = (ours, theirs)
+    build_record(runs, args).emit(args.out)
     return 0
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The llama.cpp baseline's environment, .venv-llamacpp at the repository root (`make llama-cpp-env`).
+#
+#   bash projects/09_engine/llama_cpp_env.sh
+#
+# llama-cpp-python is compiled from source for this machine's CPU (GGML_NATIVE: AVX2/AVX-512/VNNI as the
+# compiler finds them), with ggml's AMX backend off: on machines whose CPU flags advertise AMX but cannot
+# run it (some virtual machines) that backend crashes in ggml_backend_amx_mul_mat. The environment holds
+# only llama_cpp and numpy: the runner, kernel_lab/bench/llama_cpp.py, imports nothing else (not torch,
+# not this repository's dependencies). It is rebuilt only when the requirement list, the CMake flags or
+# this script change (a stamp file keyed on them). From scratch the build takes about 5 minutes on 2 cores.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+VENV=${LLAMACPP_VENV:-$REPO/.venv-llamacpp}
+REQUIREMENTS=$HERE/requirements-llamacpp.txt
+CMAKE_FLAGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
+CMAKE_FLAGS+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"
+KEY=$( (cat "$REQUIREMENTS" "${BASH_SOURCE[0]}"; echo "$CMAKE_FLAGS") | sha1sum | cut -c1-12)
+STAMP=$VENV/.installed-$KEY
+
+if [ -f "$STAMP" ]; then
+  echo "== $VENV is up to date ($STAMP)"
+  exit 0
+fi
+echo "== building $VENV (requirements or flags changed, or first run)"
+start=$SECONDS
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"; }
+# Build-time tools for the source build (scikit-build-core runs CMake; a system cmake >= 3.21 also works).
+pip_install --quiet --upgrade pip
+CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} FORCE_CMAKE=1 \
+  pip_install --no-cache-dir --no-binary llama-cpp-python -r "$REQUIREMENTS"
+"$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+rm -f "$VENV"/.installed-*
+touch "$STAMP"
+echo "== $VENV ready after $((SECONDS - start)) s"

@@ -1,0 +1,119 @@
+"""cpu_throughput.py's record assembly, from fake raw outputs (--reuse-raw), and the commands it would run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kernel_lab.harness import results
+
+HERE = Path(__file__).resolve().parent
+spec = importlib.util.spec_from_file_location("cpu_throughput", HERE / "cpu_throughput.py")
+cpu_throughput = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cpu_throughput)
+
+COPY_GBPS = 10.0
+WEIGHT_BYTES = 100_000_000
+
+
+@pytest.fixture(autouse=True)
+def fake_ceilings(monkeypatch):
+    monkeypatch.setattr(results, "ceilings", lambda device: {"copy": {"GBps": COPY_GBPS}, "matmul": {"TFLOPs": 1.0}})
+
+
+def summary(backend, c, t, n, tok_s, input_len=16, output_len=8):
+    out = {"backend": backend, "concurrency": c, "threads": t, "num_prompts": n, "input_len": input_len,
+           "output_len": output_len, "num_requests": n, "output_tokens_per_second": tok_s,
+           "elapsed_time": n * output_len / tok_s}
+    if backend == "kernel-lab":
+        out["engine_stats"] = {"weights": "quantized", "weight_bytes": WEIGHT_BYTES}
+    if backend == "llama.cpp":
+        out["llama_cpp"] = {"version": "0.3.36", "system_info": "CPU : AVX2 = 1 |", "gguf": "/x/model.gguf"}
+    return out
+
+
+SPEEDS = {"kernel-lab": 30.0, "transformers": 10.0, "llama.cpp": 40.0}
+
+
+def write_raw(out: Path, concurrency=(1, 4), threads=(1, 2), backends=("kernel-lab", "transformers", "llama.cpp")):
+    raw = out / "09_engine" / "raw"
+    raw.mkdir(parents=True)
+    for c in concurrency:
+        n = 2 if c == 1 else 6
+        for t in threads:
+            for b in backends:
+                (raw / cpu_throughput.raw_name(b, c, t)).write_text(json.dumps(summary(b, c, t, n, SPEEDS[b] * c * t)))
+
+
+def test_record_from_raw_outputs(tmp_path, capsys):
+    write_raw(tmp_path)
+    cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "1", "2",
+                         "--num-prompts", "6", "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8",
+                         "--backends", "transformers", "llama.cpp"])
+    paths = list((tmp_path / "09_engine").glob("cpu-throughput-*.json"))
+    assert len(paths) == 1
+    record = json.loads(paths[0].read_text())
+    results.validate(record)
+    assert record["weight_bytes"] == WEIGHT_BYTES
+    cases = {(c["shape"]["concurrency"], c["shape"]["threads"]): c for c in record["cases"]}
+    assert sorted(cases) == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    for (c, t), case in cases.items():
+        assert case["metric"] == {"unit": "tok/s", "value": pytest.approx(30.0 * c * t)}
+        assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(10.0 * c * t),
+                                                 "llama.cpp": pytest.approx(40.0 * c * t)}
+        assert case["ratio"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
+        assert case["speedup"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
+        bound = c * COPY_GBPS * 1e9 / WEIGHT_BYTES
+        assert case["ceiling_tok_s"] == pytest.approx(bound)
+        assert case["percent_of_ceiling"] == pytest.approx(100 * 30.0 * c * t / bound)
+        assert case["weights"] == "quantized"
+        assert case["llama_cpp"]["version"] == "0.3.36"
+        assert case["shape"]["num_prompts"] == (2 if c == 1 else 6)
+    assert "c4 t2: 3.00x transformers generate, 0.75x llama.cpp" in record["headline"]["text"]
+    # The rendered RESULTS.md section picks the record up.
+    assert "CPU throughput vs transformers, vLLM CPU and llama.cpp" in results.render(tmp_path)
+
+
+def test_reuse_refuses_raw_output_of_another_run(tmp_path):
+    write_raw(tmp_path, concurrency=(4,), threads=(1,))
+    (tmp_path / "09_engine" / "raw" / cpu_throughput.raw_name("kernel-lab", 4, 2)).write_text(
+        json.dumps(summary("kernel-lab", 4, 1, 6, 30.0)))  # says 1 thread under the 2-thread name
+    with pytest.raises(SystemExit, match="does not hold the run"):
+        cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "4", "--threads", "2",
+                             "--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--backends"])
+
+
+def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
+    commands = []
+    real_run = cpu_throughput.subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if "throughput" not in cmd:  # e.g. the environment record's git call
+            return real_run(cmd, **kwargs)
+        commands.append((cmd, kwargs["env"]))
+        backend = cmd[cmd.index("--backend") + 1]
+        c, t = int(cmd[cmd.index("--max-num-seqs") + 1]), int(cmd[cmd.index("--threads") + 1])
+        n = int(cmd[cmd.index("--num-prompts") + 1])
+        Path(cmd[cmd.index("--output-json") + 1]).write_text(json.dumps(summary(backend, c, t, n, SPEEDS[backend])))
+
+    monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
+    fake_python = tmp_path / "llama-python"
+    fake_python.write_text("")
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
+                         "--input-len", "16", "--output-len", "8", "--vllm-python", str(tmp_path / "absent"),
+                         "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64"])
+    assert "skipping vllm" in capsys.readouterr().out
+    by_backend = {cmd[cmd.index("--backend") + 1]: (cmd, env) for cmd, env in commands}
+    assert sorted(by_backend) == ["kernel-lab", "llama.cpp", "transformers"]
+    ours, env = by_backend["kernel-lab"]
+    assert ours[-2:] == ["--max-num-batched-tokens", "64"] and "--weights" not in ours
+    assert env["OMP_NUM_THREADS"] == "2" and ours[ours.index("--threads") + 1] == "2"
+    llama, _ = by_backend["llama.cpp"]
+    assert llama[llama.index("--llama-cpp-python") + 1] == str(fake_python)
+    assert "--max-num-batched-tokens" not in llama
+    assert Path(llama[llama.index("--output-json") + 1]).name == "llama.cpp-c4-t2.json"
+    record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
+    assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp"}
