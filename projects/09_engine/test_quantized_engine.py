@@ -95,3 +95,14 @@ def test_quantized_weights_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="weights.*float32 activations"):
         LLMEngine(None, weights="quantized", dtype="bfloat16", device="cpu", max_model_len=64)
     assert LLMEngine(None, dtype="bfloat16", device="cpu", max_model_len=64).stats()["weights"] == "float32"
+
+
+def test_the_export_stays_a_plain_model_directory():
+    """vLLM and transformers load every top-level *.safetensors of a model directory as weights: the blocks
+    must live elsewhere (vLLM failed on a second top-level file)."""
+    from kernel_lab.models.gguf import BLOCKS_FILE
+    from kernel_lab.models.loader import has_quantized_weights, resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    assert [p.name for p in model_dir.glob("*.safetensors")] == ["model.safetensors"]
+    assert (model_dir / BLOCKS_FILE).is_file() and has_quantized_weights(model_dir)
