@@ -36,7 +36,10 @@ from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.models.llama import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
 
-BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)", "llama.cpp": "llama.cpp"}
+BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)", "llama.cpp": "llama.cpp",
+             "kernel-lab-fp32": "kernel-lab, float32 weights"}
+# The engine's other weight path is a baseline too: it shows which path `weights=auto` should pick here.
+ENGINE_VARIANTS = {"kernel-lab-fp32": ["--weights", "float32"]}
 
 
 def raw_name(backend: str, concurrency: int, threads: int) -> str:
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
     args.engine_args = shlex.split(args.engine_args)
     raw = Path(args.out) / "09_engine" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    pythons = {"transformers": sys.executable, "vllm": args.vllm_python, "llama.cpp": args.llama_cpp_python}
+    pythons = {"transformers": sys.executable, "vllm": args.vllm_python, "llama.cpp": args.llama_cpp_python,
+               "kernel-lab-fp32": sys.executable}
     present = []
     for b in args.backends:
         if args.reuse_raw or Path(pythons[b]).exists():
@@ -166,8 +170,10 @@ def main(argv=None) -> int:
                          reuse=args.reuse_raw, extra_args=args.engine_args)
             theirs = {}
             for b in args.backends:
-                extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
-                theirs[b] = bench(b, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t), t,
+                extra = (["--llama-cpp-python", pythons[b]] if b == "llama.cpp"
+                         else [*args.engine_args, *ENGINE_VARIANTS[b]] if b in ENGINE_VARIANTS else [])
+                backend = "kernel-lab" if b in ENGINE_VARIANTS else b
+                theirs[b] = bench(backend, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t), t,
                                   pythons[b] if b == "vllm" else sys.executable, reuse=args.reuse_raw,
                                   extra_args=extra)
             runs[(c, t)] = (ours, theirs)

@@ -106,14 +106,17 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
                          "--input-len", "16", "--output-len", "8", "--vllm-python", str(tmp_path / "absent"),
                          "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64"])
     assert "skipping vllm" in capsys.readouterr().out
-    by_backend = {cmd[cmd.index("--backend") + 1]: (cmd, env) for cmd, env in commands}
-    assert sorted(by_backend) == ["kernel-lab", "llama.cpp", "transformers"]
+    by_backend = {Path(cmd[cmd.index("--output-json") + 1]).name.split("-c")[0]: (cmd, env) for cmd, env in commands}
+    assert sorted(by_backend) == ["kernel-lab", "kernel-lab-fp32", "llama.cpp", "transformers"]
     ours, env = by_backend["kernel-lab"]
     assert ours[-2:] == ["--max-num-batched-tokens", "64"] and "--weights" not in ours
+    fp32, _ = by_backend["kernel-lab-fp32"]
+    assert fp32[fp32.index("--backend") + 1] == "kernel-lab" and fp32[-4:] == [
+        "--max-num-batched-tokens", "64", "--weights", "float32"]
     assert env["OMP_NUM_THREADS"] == "2" and ours[ours.index("--threads") + 1] == "2"
     llama, _ = by_backend["llama.cpp"]
     assert llama[llama.index("--llama-cpp-python") + 1] == str(fake_python)
     assert "--max-num-batched-tokens" not in llama
     assert Path(llama[llama.index("--output-json") + 1]).name == "llama.cpp-c4-t2.json"
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
-    assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp"}
+    assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp", "kernel-lab, float32 weights"}
