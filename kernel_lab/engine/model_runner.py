@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
-from kernel_lab.models.llama import ModelConfig
+from kernel_lab.models.llama import ModelConfig, QuantizedLinear
 from kernel_lab.ops.cpu_kernels import load_library
+from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
@@ -71,6 +72,7 @@ class ModelRunner:
         # SDPA differs by an ulp with the chunk and cached-prefix lengths, and the int8 activations of the
         # quantized weights turn that into visibly different logits. The cost is small next to the linear
         # layers on a CPU; on CUDA, prefill keeps SDPA's flash kernel.
+        self.quantized_weights = any(isinstance(m, QuantizedLinear) for m in model.modules())
         self.prompt_tokens_decode = (device.type == "cpu" and dtype == kv_cache_dtype == torch.float32
                                      and load_library() is not None)
 
@@ -159,8 +161,13 @@ class ModelRunner:
             # Staging buffers are about to be refilled: their previous copies must have left. Free when the
             # previous step read its sampled tokens (which synchronised); only prefill-only steps wait here.
             self._copies_done.synchronize()
-        logits, sample_seqs = self.run_model(items, fresh_blocks)
-        results = self._sample(logits, sample_seqs)
+        if self.quantized_weights:
+            with kernel_threads(torch.get_num_threads()):
+                logits, sample_seqs = self.run_model(items, fresh_blocks)
+                results = self._sample(logits, sample_seqs)
+        else:
+            logits, sample_seqs = self.run_model(items, fresh_blocks)
+            results = self._sample(logits, sample_seqs)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()

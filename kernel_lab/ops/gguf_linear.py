@@ -13,6 +13,7 @@ the block dot products are integer; `gguf_linear_reference` computes exactly tha
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,28 @@ def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
     return y
 
 
+_step_threads: int | None = None
+
+
+@contextmanager
+def kernel_threads(threads: int):
+    """Within the block `gguf_linear` runs on `threads` threads and torch's own ops on one.
+
+    torch's OpenMP workers spin for a while after each op, and so do this kernel's workers after each call:
+    on the same cores the two fight. Measured on a 2-core machine, a batch-1 decode step with both at 2
+    threads ran at 18 tok/s, with torch at 1 and the kernel at 2 at 31 (and 28 with both at 1). An engine
+    step on quantized weights spends its time in this kernel, so the step gives it the cores."""
+    global _step_threads
+    previous, previous_torch = _step_threads, torch.get_num_threads()
+    _step_threads = max(1, int(threads))
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _step_threads = previous
+        torch.set_num_threads(previous_torch)
+
+
 def _library():
     from .cpu_kernels import load_library
 
@@ -191,12 +214,7 @@ def _check_weight(weight, packed_ok: bool = False) -> None:
         raise TypeError(f"weight must be a {' or '.join(k.__name__ for k in kinds)}, got {type(weight).__name__}")
 
 
-def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """y [m, n] = x [m, k] @ W.T (+ bias), W in GGUF blocks. x: float32 on CPU, stride 1 in its last dim.
-    `threads` defaults to torch's intra-op thread count. A QuantizedWeight is packed on every call (layers
-    pack once, at load). Without the C kernel (no compiler, or KERNEL_LAB_CPU_KERNELS=0) it computes the
-    float64 reference, slowly."""
+def _check_arguments(x, weight, bias, out) -> None:
     _check_weight(weight, packed_ok=True)
     check_tensor("x", x, dtypes=(torch.float32,), ndim=2)
     n, k = weight.shape
@@ -212,6 +230,20 @@ def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: t
     check_out("out", out, (m, n), torch.float32, x.device)
     if out is not None and out.stride(-1) != 1:
         raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+
+
+def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, threads: int | None = None, validate: bool = True) -> torch.Tensor:
+    """y [m, n] = x [m, k] @ W.T (+ bias), W in GGUF blocks. x: float32 on CPU, stride 1 in its last dim.
+    `threads` defaults to the count of an enclosing `kernel_threads` block, else torch's intra-op thread
+    count. A QuantizedWeight is packed on every call (layers pack once, at load). Without the C kernel (no
+    compiler, or KERNEL_LAB_CPU_KERNELS=0) it computes the float64 reference, slowly. `validate=False`
+    skips the argument checks, for a layer whose shapes and dtypes were fixed at load (QuantizedLinear):
+    for a decode step's few rows they cost a sizeable part of the kernel's time."""
+    if validate:
+        _check_arguments(x, weight, bias, out)
+    n, k = weight.shape
+    m = x.shape[0]
     if x.stride(-1) != 1 and k > 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32) if out is None else out
@@ -220,7 +252,8 @@ def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: t
         y.copy_(gguf_linear_reference(x, weight.unpack() if isinstance(weight, PackedWeight) else weight))
     else:
         weight = pack(weight) if isinstance(weight, QuantizedWeight) else weight
-        threads = torch.get_num_threads() if threads is None else int(threads)
+        if threads is None:
+            threads = _step_threads or torch.get_num_threads()
         status = lib.kl_gguf_linear(weight.ggml_type, weight.tiles.data_ptr(), n, k, x.data_ptr(), m,
                                     x.stride(0), y.data_ptr(), y.stride(0), threads)
         if status != 0:

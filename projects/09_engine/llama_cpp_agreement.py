@@ -12,6 +12,9 @@ compared: a sequence agrees when both are identical; the prefix fraction is the 
 over the longer of the two. The record carries both rates, every pair's first divergence, and passes/total
 as the exact-match count.
 
+For scale, the engine's float32-weight path runs too: its agreement with llama.cpp and with the default
+path are in the record beside the headline.
+
 The two are not expected to agree everywhere: llama.cpp quantizes activations to 8 bits per block for its
 dot products and keeps an f16 KV cache, the engine computes in float32 activations, so near-ties in the
 logits can break either way; after the first divergence the continuations differ.
@@ -124,9 +127,20 @@ def main(argv=None) -> int:
     theirs_run = llama_cpp_outputs(python, model, prompts_engine, args.max_tokens, len(prompts_engine), args.threads)
     theirs = theirs_run["outputs"]
     eos = set(tokenizer.eos_token_ids)
-    pairs = [compare(cut_at_eos(a, eos), cut_at_eos(b, eos)) for a, b in zip(ours, theirs)]
-    exact = sum(p["exact"] for p in pairs)
-    mean_prefix = sum(p["prefix_fraction"] for p in pairs) / len(pairs)
+
+    def agreement(xs, ys):
+        pairs = [compare(cut_at_eos(a, eos), cut_at_eos(b, eos)) for a, b in zip(xs, ys, strict=True)]
+        return pairs, sum(p["exact"] for p in pairs), sum(p["prefix_fraction"] for p in pairs) / len(pairs)
+
+    pairs, exact, mean_prefix = agreement(ours, theirs)
+    context = {}
+    if engine.stats()["weights"] != "float32":
+        fp32, _, _ = engine_greedy(str(model), prompts_engine, args.max_tokens, "float32", args.threads)
+        for name, (xs, ys) in {"float32_weights_vs_llama_cpp": (fp32, theirs),
+                               "default_vs_float32_weights": (ours, fp32)}.items():
+            _, e, m = agreement(xs, ys)
+            context[name] = {"exact": e, "total": len(pairs), "mean_prefix_fraction": m}
+            print(f"{name}: {e}/{len(pairs)} identical, mean prefix fraction {m:.3f}")
     for i, (p, a, b) in enumerate(zip(pairs, ours, theirs)):
         mark = "=" if p["exact"] else f"diverges at token {p['first_divergence']}"
         print(f"[{i:2d}] {mark}\n     engine:    {tokenizer.decode(cut_at_eos(a, eos))!r}\n"
@@ -150,7 +164,7 @@ def main(argv=None) -> int:
         dtype="float32", timing=Timing(ms, ms, ms, ms, 1, {"kind": "engine generation wall clock, one run"}),
         extra={"metric": {"unit": "ms", "value": ms}, "exact_match_rate": exact / len(pairs),
                "mean_prefix_fraction": mean_prefix, "pairs": pairs, "engine_weights": stats["weights"],
-               "llama_cpp_ms": llama_ms,
+               "llama_cpp_ms": llama_ms, "for_scale": context,
                "llama_cpp": {"version": theirs_run["llama_cpp_python"], "system_info": theirs_run["system_info"],
                              "gguf": str(model)}},
     )

@@ -260,3 +260,18 @@ def test_bad_inputs_name_the_argument():
     for call, kind, message in cases:
         with pytest.raises(kind, match=message):
             call()
+
+
+def test_kernel_threads_gives_the_cores_to_the_kernel_and_restores_torch(library):
+    from kernel_lab.ops import gguf_linear as module
+
+    before = torch.get_num_threads()
+    weight = pack(random_weight("Q4_1", 24, 64, case_seed("threads-block")))
+    x = random_x(3, 64, case_seed("threads-block-x"))
+    expected = gguf_linear(x, weight, threads=1)
+    with pytest.raises(RuntimeError, match="inside"):
+        with module.kernel_threads(2):
+            assert torch.get_num_threads() == 1 and module._step_threads == 2
+            assert torch.equal(gguf_linear(x, weight), expected)
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before and module._step_threads is None
