@@ -131,7 +131,16 @@ class EngineConfig:
         if blocker and self.weights == "quantized":
             raise ValueError(f"weights='quantized' is not possible here: {blocker}; use weights='float32' "
                              "or 'auto'")
-        return "float32" if blocker else "quantized"
+        if blocker:
+            return "float32"
+        from kernel_lab.ops import gguf_linear
+
+        # auto picks the path measured faster (projects/09_engine/README.md): the vector kernels. The scalar
+        # C path is there so the quantized path runs anywhere, not for speed, and was never timed against
+        # oneDNN's float32 GEMMs, so auto leaves a CPU without AVX2 on float32.
+        if self.weights == "auto" and gguf_linear.kernel_isa() == "scalar":
+            return "float32"
+        return "quantized"
 
     def _quantized_blocker(self) -> str | None:
         """Why the quantized path cannot run, or None."""

@@ -91,6 +91,14 @@ def test_a_request_computes_the_same_bits_whatever_runs_beside_it(quantized):
     assert texts[0] == texts[1]
 
 
+def test_auto_leaves_a_cpu_without_vector_kernels_on_float32(monkeypatch):
+    from kernel_lab.ops import gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "kernel_isa", lambda: "scalar")
+    assert LLMEngine(None, **KWARGS).stats()["weights"] == "float32"
+    assert LLMEngine(None, weights="quantized", **KWARGS).stats()["weights"] == "quantized"
+
+
 def test_quantized_weights_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="weights.*float32 activations"):
         LLMEngine(None, weights="quantized", dtype="bfloat16", device="cpu", max_model_len=64)
