@@ -188,6 +188,17 @@ def gguf_path(model) -> Path:
     raise SystemExit(f"--backend llama.cpp needs a GGUF file; {str(model)!r} is not one")
 
 
+def run_llama_cpp(python: Path, spec: dict) -> dict:
+    """Run kernel_lab/bench/llama_cpp.py on `spec` with the llama.cpp environment's Python; its output JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([str(python), "-m", "kernel_lab.bench.llama_cpp", str(src), str(dst)], check=True, env=env,
+                       stdout=sys.stderr)
+        return json.loads(dst.read_text())
+
+
 def _bench_llama_cpp(args, workload) -> dict:
     """llama.cpp on the GGUF's own weights, in a subprocess with the llama.cpp environment's Python
     (kernel_lab/bench/llama_cpp.py: continuous batching over max_num_seqs sequences, greedy, EOS ignored)."""
@@ -199,13 +210,7 @@ def _bench_llama_cpp(args, workload) -> dict:
     threads = args.threads or os.cpu_count() or 1
     spec = {"model": str(model), "prompts": [p for p, _ in workload], "output_len": [n for _, n in workload],
             "concurrency": args.max_num_seqs, "threads": threads}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        subprocess.run([str(python), "-m", "kernel_lab.bench.llama_cpp", str(src), str(dst)], check=True, env=env,
-                       stdout=sys.stderr)
-        out = json.loads(dst.read_text())
+    out = run_llama_cpp(python, spec)
     if [len(o) for o in out["outputs"]] != [n for _, n in workload]:
         raise SystemExit("llama.cpp did not generate exactly the requested number of tokens per request")
     return {"elapsed_time": out["elapsed_time"], "generated": out["generated"], "device": "cpu",

@@ -7,6 +7,7 @@ and "CUDA".
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -161,11 +162,7 @@ class ModelRunner:
             # Staging buffers are about to be refilled: their previous copies must have left. Free when the
             # previous step read its sampled tokens (which synchronised); only prefill-only steps wait here.
             self._copies_done.synchronize()
-        if self.quantized_weights:
-            with kernel_threads(torch.get_num_threads()):
-                logits, sample_seqs = self.run_model(items, fresh_blocks)
-                results = self._sample(logits, sample_seqs)
-        else:
+        with kernel_threads(torch.get_num_threads()) if self.quantized_weights else nullcontext():
             logits, sample_seqs = self.run_model(items, fresh_blocks)
             results = self._sample(logits, sample_seqs)
         if self.device.type == "cuda":

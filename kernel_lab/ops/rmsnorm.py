@@ -180,9 +180,7 @@ def fused_add_rms_norm(
     """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype."""
     _validate(x, weight, eps, residual)
     if not use_triton(x):
-        if x.dtype != torch.float32:
-            return fused_add_rms_norm_reference(x, residual, weight, eps)
-        new_residual = x + residual
+        new_residual = (x.float() + residual.float()).to(x.dtype)  # the reference's rounding
         return _rms_norm_cpu(new_residual, weight, eps), new_residual
     x2, r2 = _as_rows("x", x), _as_rows("residual", residual)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)

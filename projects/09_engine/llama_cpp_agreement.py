@@ -23,18 +23,15 @@ logits can break either way; after the first divergence the continuations differ
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, gguf_path  # noqa: E402
+from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, gguf_path, run_llama_cpp  # noqa: E402
 from kernel_lab.chat import DEMO_PROMPTS  # noqa: E402
 
 MORE_PROMPTS = [
@@ -88,14 +85,8 @@ def engine_greedy(model, prompts: list[list[int]], max_tokens: int, weights: str
 
 
 def llama_cpp_outputs(python: Path, model: Path, prompts, max_tokens: int, concurrency: int, threads: int) -> dict:
-    spec = {"model": str(model), "prompts": prompts, "output_len": max_tokens, "concurrency": concurrency,
-            "threads": threads, "warmup": False}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        subprocess.run([str(python), "-m", "kernel_lab.bench.llama_cpp", str(src), str(dst)], check=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-        return json.loads(dst.read_text())
+    return run_llama_cpp(python, {"model": str(model), "prompts": prompts, "output_len": max_tokens,
+                                  "concurrency": concurrency, "threads": threads, "warmup": False})
 
 
 def main(argv=None) -> int:
