@@ -187,7 +187,8 @@ class ModelRunner:
     def _run_eager(self, step: StepInputs):
         every_row = self.prompt_tokens_decode
         meta = AttentionMetadata(slot_mapping=self._to_device("slots", step.slots, torch.int64),
-                                 num_decode_tokens=len(step.input_ids) if every_row else len(step.decodes))
+                                 num_decode_tokens=len(step.input_ids) if every_row else len(step.decodes),
+                                 fused_cpu_decode=every_row)
         if meta.num_decode_tokens:
             rows = meta.num_decode_tokens
             tables, lens = self._query_tables(step.row_seqs[:rows], step.positions[:rows])

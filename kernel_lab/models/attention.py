@@ -11,7 +11,9 @@ paged cache first (`write_kv`, at `slot_mapping`); then
 
 On CPU the model runner marks every token as a decode token (one query per row, its context length its
 position + 1), so prompt tokens too go through the decode kernel and no row depends on the rest of the step
-(engine/model_runner.py says why).
+(engine/model_runner.py says why). Such a step (float32, the C kernels built) sets `fused_cpu_decode`, and
+each layer makes one C call, `rope_write_paged_attention`, for what is otherwise RoPE, `write_kv` and the
+attention call: the same arithmetic, without a hundred-odd microseconds of per-layer op dispatch.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # int32 [num_decode_tokens, max_blocks_per_seq]
     decode_seq_lens: torch.Tensor | None = None      # int32 [num_decode_tokens]; 0 = padding row
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Every row decodes, on CPU in float32 with the C kernels loaded, and the slots and tables were checked
+    # for the step: layers may call rope_write_paged_attention.
+    fused_cpu_decode: bool = False
 
 
 @dataclass
@@ -100,4 +105,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
             k_prefix, v_prefix = cache.gather(chunk.prefix_slots, q.dtype)
             k_c, v_c = torch.cat([k_prefix, k_c]), torch.cat([v_prefix, v_c])
         out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, chunk.num_cached, scale)
+    return out
+
+
+def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
+                               meta: AttentionMetadata, scale: float, num_q_heads: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] (the qkv projection's output) and the step's cos/sin rows -> attention
+    output [T, Hq * D], with RoPE applied to q and k and K, V stored in the cache, in one C call.
+
+    Only for a step with `meta.fused_cpu_decode` (its conditions are the caller's promise; nothing is checked
+    here, as in the other per-layer calls of a step)."""
+    from kernel_lab.ops.cpu_kernels import rope_write_paged_attention_cpu
+
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = rope
+    out = torch.empty(qkv.shape[0], num_q_heads * cache.k_cache.shape[-1], dtype=qkv.dtype)
+    rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
+                                   meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale, out)
     return out

@@ -27,7 +27,7 @@ from torch import nn
 from kernel_lab import ops
 from kernel_lab.ops.gguf_linear import PackedWeight, QuantizedWeight, dequantize_rows, gguf_linear, pack
 
-from .attention import AttentionMetadata, LayerKVCache, paged_attention
+from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
 
 
 @dataclass(frozen=True)
@@ -253,11 +253,15 @@ class DecoderLayer(nn.Module):
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
-        tokens, d = hidden.shape[0], self.config.head_dim
-        q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
-        attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale)
-        hidden = self.o_proj(attn.view(tokens, -1))
+        qkv = self.qkv_proj(hidden)
+        if meta.fused_cpu_decode:
+            attn = rope_write_paged_attention(qkv, rope, cache, meta, self.scale, self.config.num_heads)
+        else:
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            tokens, d = hidden.shape[0], self.config.head_dim
+            q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
+            attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale).view(tokens, -1)
+        hidden = self.o_proj(attn)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
         hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
         return hidden, residual

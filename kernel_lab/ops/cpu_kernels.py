@@ -52,6 +52,14 @@ _PAGED_DECODE_ARGTYPES = [
     _ptr, _i64, _i64,                    # out, out_stride_b, out_stride_h
 ]
 
+_ROPE_WRITE_ATTENTION_ARGTYPES = [
+    _ptr, _i64, _ptr, _ptr, _ptr,        # qkv, qkv_stride, cos_rows, sin_rows, slots
+    _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
+    _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
+    _int, _int, _int, _int, _int,        # tokens, num_q_heads, num_kv_heads, head_dim, block_size
+    ctypes.c_float, _ptr,                # scale, out
+]
+
 
 def enabled() -> bool:
     return os.environ.get("KERNEL_LAB_CPU_KERNELS", "1") != "0"
@@ -116,7 +124,10 @@ def build(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()
 
 # entry point -> (argtypes, restype), per library
 _SIGNATURES = {
-    "paged_decode_attention": {"kl_paged_decode_attention_f32": (_PAGED_DECODE_ARGTYPES, ctypes.c_int)},
+    "paged_decode_attention": {
+        "kl_paged_decode_attention_f32": (_PAGED_DECODE_ARGTYPES, ctypes.c_int),
+        "kl_rope_write_paged_attention_f32": (_ROPE_WRITE_ATTENTION_ARGTYPES, ctypes.c_int),
+    },
     "gguf_linear": {
         # type, w, n, k, x, m, ldx, y, ldy, threads
         "kl_gguf_linear": ([_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int], ctypes.c_int),
@@ -188,6 +199,28 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
         batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), out.stride(0), out.stride(1))
     return status == 0
+
+
+def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_cache, block_tables, seq_lens,
+                                   num_q_heads: int, scale: float, out: torch.Tensor) -> None:
+    """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention_f32):
+    RoPE on q and k, K and V into the cache at `slots`, attention into `out` [tokens, num_q_heads * head_dim].
+
+    No checks: the caller holds what `models/attention.py` documents (float32 everywhere, qkv and out dense
+    rows, cos/sin rows contiguous, tables and slots checked once for the step, the library loaded)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are unavailable (disabled by KERNEL_LAB_CPU_KERNELS=0, or the "
+                           "build failed): the fused CPU decode attention has no reference fallback")
+    tokens = qkv.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = lib.kl_rope_write_paged_attention_f32(
+        qkv.data_ptr(), qkv.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+    if status != 0:
+        raise MemoryError("kl_rope_write_paged_attention_f32 could not allocate its scratch buffer")
 
 
 def main() -> None:

@@ -248,6 +248,72 @@ def test_c_kernel_long_context_and_interleaved_cache(c_kernel):
     assert_close(out, attention64(q, kc, vc, bt, sl, 0.3), torch.float32)
 
 
+def rope64(x, cos, sin):
+    """Neox RoPE in float64: x [T, H, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    x = x.double()
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.double()[:, None] + rotated * sin.double()[:, None]
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size): the engine's GQA 3 at head_dim 64, MHA at 128, MQA.
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 32)])
+def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num_kv_heads, head_dim,
+                                                      block_size):
+    """The engine's one-call CPU layer attention (kl_rope_write_paged_attention_f32): three prompt tokens of
+    one sequence after a cached prefix (each sees the ones before it, written in the same call), a decode
+    token of another, and a padding row (slot -1, length 0) that must neither write nor read."""
+    seed = case_seed("c-fused", num_q_heads, num_kv_heads, head_dim, block_size)
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    num_blocks = 7
+    kc = randn((num_blocks, block_size, hkv, d), torch.float32, "cpu", seed)
+    vc = randn((num_blocks, block_size, hkv, d), torch.float32, "cpu", seed + 1)
+    # Sequence 0 holds `cached` tokens in blocks [5, 2, ...] and adds three; sequence 1 is at `pos1`.
+    cached, pos1 = block_size + 3, 2 * block_size + 1
+    tables = torch.tensor([[5, 2, 6], [1, 3, 0], [0, 0, 0]], dtype=torch.int32)
+    positions = [cached, cached + 1, cached + 2, pos1, 0]
+    seq_rows = [0, 0, 0, 1, None]
+
+    def slot(row, p):
+        return int(tables[row, p // block_size]) * block_size + p % block_size
+
+    slots = torch.tensor([slot(r, p) if r is not None else -1 for r, p in zip(seq_rows, positions)])
+    lens = torch.tensor([p + 1 if r is not None else 0 for r, p in zip(seq_rows, positions)], dtype=torch.int32)
+    # NaN in every slot no row may read, and in the slots this call writes (they must be overwritten first).
+    poison_unread_slots(kc, vc, tables[:2], torch.tensor([cached, pos1], dtype=torch.int32))
+    for s in slots[slots >= 0].tolist():
+        kc.view(-1, hkv, d)[s] = float("nan")
+        vc.view(-1, hkv, d)[s] = float("nan")
+    # qkv: the projection's rows inside a wider buffer (row stride > (hq + 2 hkv) d)
+    width = (hq + 2 * hkv) * d
+    qkv = randn((len(positions), width + 24), torch.float32, "cpu", seed + 2)[:, 8:8 + width]
+    angles = torch.tensor(positions, dtype=torch.float32)[:, None] * (
+        10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d))[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k, v = qkv.view(len(positions), -1, d).split([hq, hkv, hkv], dim=1)
+    q64, k64 = rope64(q, cos, sin), rope64(k, cos, sin)
+    expected_k, expected_v = kc.double().clone(), vc.double().clone()
+    for row, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected_k.view(-1, hkv, d)[s], expected_v.view(-1, hkv, d)[s] = k64[row], v[row].double()
+    before_k, before_v = kc.clone(), vc.clone()
+    out = poison(torch.empty(len(positions), hq * d))
+    row_tables = tables[[0, 0, 0, 1, 2]]  # a query row's own table: the rows of one sequence share it
+    cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, slots, kc, vc, row_tables, lens, hq, 0.3, out)
+
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    written = written.view(num_blocks, block_size)
+    assert torch.equal(vc[written].double(), expected_v[written]), "V must be stored exactly"
+    assert_close(kc[written], expected_k[written], torch.float32)
+    assert torch.equal(kc[~written].nan_to_num(7.0), before_k[~written].nan_to_num(7.0)), "wrote K elsewhere"
+    assert torch.equal(vc[~written].nan_to_num(7.0), before_v[~written].nan_to_num(7.0)), "wrote V elsewhere"
+    reference = attention64(q64, expected_k, expected_v, row_tables, lens, 0.3)
+    assert_close(out.view(-1, hq, d), reference, torch.float32)
+    assert torch.equal(out[4], torch.zeros_like(out[4])), "the padding row must be exactly zero"
+
+
 def test_public_op_runs_the_c_kernel_for_fp32(c_kernel, monkeypatch):
     def no_reference(*args, **kwargs):
         raise AssertionError("the CPU fp32 op ran the PyTorch reference, not the C kernel")

@@ -290,3 +290,58 @@ int kl_paged_decode_attention_f32(const float *q, int64_t q_stride_b, int64_t q_
     return CALL(head_dim);
 #undef CALL
 }
+
+/* Neox ("rotate half") RoPE of one head row: o[i] = x[i] cos[i] - x[i + half] sin[i] for i < half, and
+ * x[i] cos[i] + x[i - half] sin[i] above (cos and sin hold each frequency twice, as the model's table does). */
+static inline void rope_row(const float *restrict x, const float *restrict cos_row, const float *restrict sin_row,
+                            int head_dim, float *restrict o) {
+    const int half = head_dim / 2;
+#pragma omp simd
+    for (int i = 0; i < half; ++i) o[i] = x[i] * cos_row[i] - x[i + half] * sin_row[i];
+#pragma omp simd
+    for (int i = half; i < head_dim; ++i) o[i] = x[i] * cos_row[i] + x[i - half] * sin_row[i];
+}
+
+/* One layer's attention for a CPU decode step in a single call: RoPE on q and k, K and V stored into the
+ * paged cache at `slots`, then every row attends (as kl_paged_decode_attention_f32) over its context.
+ *
+ * Why one call: at batch 1 a layer's own arithmetic here takes microseconds, while the same work as torch
+ * ops (the RoPE's slices, negation, concatenation and products, an index copy per cache, the attention call
+ * and each one's argument checks) cost over a hundred microseconds of dispatch per layer: the largest part of
+ * a decode step outside the linear layers.
+ *
+ * qkv [tokens, (Hq + 2 Hkv) * head_dim] is the qkv projection's output, row stride `qkv_stride`; cos and
+ * sin [tokens, head_dim] are the rows of each token's position (contiguous). Every token's K and V are
+ * written before any row attends, so rows of one sequence in one call (prompt tokens) see each other. A slot
+ * of -1 stores nothing. `out` [tokens, Hq * head_dim] is contiguous. Returns 0, or -1 when scratch memory
+ * cannot be allocated (then the cache may hold this call's K and V but `out` is unwritten). */
+int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, const float *cos_rows,
+                                      const float *sin_rows, const int64_t *slots, float *k_cache, float *v_cache,
+                                      int64_t cache_stride_block, int64_t cache_stride_token,
+                                      int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
+                                      const int32_t *seq_lens, int tokens, int num_q_heads, int num_kv_heads,
+                                      int head_dim, int block_size, float scale, float *out) {
+    const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
+    float *q = malloc((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row * sizeof(float));
+    if (!q) return -1;
+    for (int t = 0; t < tokens; ++t) {
+        const float *src = qkv + t * qkv_stride, *c = cos_rows + (int64_t)t * head_dim;
+        const float *s = sin_rows + (int64_t)t * head_dim;
+        for (int h = 0; h < num_q_heads; ++h)
+            rope_row(src + (int64_t)h * head_dim, c, s, head_dim, q + t * q_row + (int64_t)h * head_dim);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            const float *k = src + q_row + (int64_t)h * head_dim, *v = k + kv_row;
+            rope_row(k, c, s, head_dim, k_cache + at + h * cache_stride_head);
+            memcpy(v_cache + at + h * cache_stride_head, v, (size_t)head_dim * sizeof(float));
+        }
+    }
+    const int status = kl_paged_decode_attention_f32(q, q_row, head_dim, k_cache, v_cache, cache_stride_block,
+                                                     cache_stride_token, cache_stride_head, block_tables,
+                                                     table_stride, seq_lens, tokens, num_q_heads, num_kv_heads,
+                                                     head_dim, block_size, scale, out, q_row, head_dim);
+    free(q);
+    return status;
+}
