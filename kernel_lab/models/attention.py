@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_lab import ops
+from kernel_lab.ops import cpu_kernels
 
 
 @dataclass
@@ -115,12 +116,10 @@ def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torc
 
     Only for a step with `meta.fused_cpu_decode` (its conditions are the caller's promise; nothing is checked
     here, as in the other per-layer calls of a step)."""
-    from kernel_lab.ops.cpu_kernels import rope_write_paged_attention_cpu
-
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     cos, sin = rope
     out = torch.empty(qkv.shape[0], num_q_heads * cache.k_cache.shape[-1], dtype=qkv.dtype)
-    rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
+    cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
                                    meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale, out)
     return out

@@ -10,8 +10,9 @@ ahead of time and prints its path.
 When there is no compiler or the build fails, `load_library()` warns once and returns None and callers run
 the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
 
-Each source is its own library: `paged_decode_attention.c` (single-threaded) and `gguf_linear.c` (quantized
-GGUF weights, its own small pthread pool). Both are compiled with `-fopenmp-simd` (the `omp simd` pragmas
+Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
+attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool)
+and `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and 02). Both are compiled with `-fopenmp-simd` (the `omp simd` pragmas
 only, no OpenMP runtime: torch ships its own, and two runtimes in one process fight over threads).
 """
 
@@ -34,6 +35,7 @@ import torch
 CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 SOURCE = CSRC_CPU / "paged_decode_attention.c"
 GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
+NORM_ACTIVATION_SOURCE = CSRC_CPU / "norm_activation.c"
 # Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
 # -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
 # -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
@@ -93,7 +95,8 @@ def library_path(cc: str, source: Path | None = None, extra_flags: tuple[str, ..
     version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS + tuple(extra_flags)).encode(), cc.encode(),
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source includes
+    for part in (source.read_bytes(), headers, " ".join(CFLAGS + tuple(extra_flags)).encode(), cc.encode(),
                  version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -137,12 +140,20 @@ _SIGNATURES = {
         "kl_gguf_dequantize_rows": ([_int, _ptr, _i64, _ptr, _i64, _ptr], ctypes.c_int),
         "kl_gguf_isa": ([], ctypes.c_char_p),
     },
+    "norm_activation": {
+        # x, ldx, residual, ldr, weight, eps, out, ldo, residual_out, ldro, rows, h
+        "kl_add_rms_norm_f32": ([_ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i64, _ptr, _i64, _i64, _i64],
+                                None),
+        # x, ldx, out, ldo, rows, d
+        "kl_silu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64], None),
+    },
 }
 
 
 def _source(name: str) -> Path:
     # Read at call time, so a test can point SOURCE at another file.
-    return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE}[name]
+    return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE,
+            "norm_activation": NORM_ACTIVATION_SOURCE}[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,7 +177,7 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
 
 
 def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The built library `name` (paged_decode_attention or gguf_linear), or None (disabled by
+    """The built library `name` (paged_decode_attention, gguf_linear or norm_activation), or None (disabled by
     KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
     return _load(name, tuple(extra_flags)) if enabled() else None
 
@@ -221,6 +232,53 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
         tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
     if status != 0:
         raise MemoryError("kl_rope_write_paged_attention_f32 could not allocate its scratch buffer")
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as float32 CPU rows [R, H] with unit stride in H, without copying; None where it is not that."""
+    if t is None or not t.is_cpu or t.dtype != torch.float32 or t.dim() == 0:  # is_cpu: the cheap test
+        return None
+    if t.dim() != 2:
+        try:
+            t = t.view(-1, t.shape[-1])
+        except RuntimeError:
+            return None
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else None
+
+
+def add_rms_norm_cpu(x, residual, weight, eps: float, out, residual_out) -> bool:
+    """out = rms_norm(x [+ residual]) * weight, and residual_out = x + residual when residual is given, by
+    the C kernel; False (nothing written) means: use the reference. Shapes are the caller's to check; all
+    tensors must be float32 on the CPU, each viewable as rows with unit stride (weight contiguous)."""
+    x2, out2 = _rows(x), _rows(out)
+    r2, ro2 = (_rows(residual), _rows(residual_out)) if residual is not None else (None, None)
+    if x2 is None or out2 is None or (residual is not None and (r2 is None or ro2 is None)):
+        return False
+    if weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous():
+        return False
+    lib = load_library("norm_activation")
+    if lib is None:
+        return False
+    rows, h = x2.shape
+    lib.kl_add_rms_norm_f32(x2.data_ptr(), x2.stride(0), 0 if r2 is None else r2.data_ptr(),
+                            0 if r2 is None else r2.stride(0), weight.data_ptr(), eps, out2.data_ptr(),
+                            out2.stride(0), 0 if ro2 is None else ro2.data_ptr(), 0 if ro2 is None else ro2.stride(0),
+                            rows, h)
+    return True
+
+
+def silu_and_mul_cpu(x, out) -> bool:
+    """out [.., d] = silu(x[.., :d]) * x[.., d:] by the C kernel; False (nothing written) means: use the
+    reference. float32 CPU rows with unit stride; shapes are the caller's to check."""
+    x2, out2 = _rows(x), _rows(out)
+    if x2 is None or out2 is None:
+        return False
+    lib = load_library("norm_activation")
+    if lib is None:
+        return False
+    lib.kl_silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0],
+                            out2.shape[1])
+    return True
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
 from .common import check_out, check_tensor
 
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
@@ -193,9 +194,7 @@ def kernel_threads(threads: int):
 
 
 def _library():
-    from .cpu_kernels import load_library
-
-    return load_library("gguf_linear")
+    return cpu_kernels.load_library("gguf_linear")
 
 
 def kernel_available() -> bool:

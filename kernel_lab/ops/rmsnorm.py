@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_kernels
 from .common import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, rows_view, use_triton
 
 FUSED_MAX_H = 16384  # above this the looped kernel is used; see compile tests for the spill-free proof
@@ -29,12 +30,19 @@ def fused_add_rms_norm_reference(x, residual, weight, eps=1e-6):
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
-def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference's math; for float32 as torch's one fused call (bit-identical on CPU, a third of the
-    time of the reference's five ops, which shows in a CPU decode step's 61 norms)."""
-    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
-        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    return rms_norm_reference(x, weight, eps)
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x [+ residual]), x + residual or None) on the CPU: float32 through the C kernel
+    (csrc/cpu/norm_activation.c; a CPU decode step runs 61 norms, where torch's ops cost tens of
+    microseconds each), anything else, or without the kernel, the reference."""
+    if x.dtype == weight.dtype == torch.float32:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        new_residual = None if residual is None else torch.empty_like(out)
+        if cpu_kernels.add_rms_norm_cpu(x, residual, weight, eps, out, new_residual):
+            return out, new_residual
+    if residual is None:
+        return rms_norm_reference(x, weight, eps), None
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -161,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torc
                 f"out must be a {tuple(x.shape)} tensor on {x.device}, got {tuple(out.shape)} on {out.device}")
         check_last_dim_contiguous("out", out)
     if not use_triton(x):
-        y = _rms_norm_cpu(x, weight, eps)
+        y, _ = _rms_norm_cpu(x, weight, eps)
         return out.copy_(y) if out is not None else y
     x2 = _as_rows("x", x)
     result = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -180,8 +188,7 @@ def fused_add_rms_norm(
     """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype."""
     _validate(x, weight, eps, residual)
     if not use_triton(x):
-        new_residual = (x.float() + residual.float()).to(x.dtype)  # the reference's rounding
-        return _rms_norm_cpu(new_residual, weight, eps), new_residual
+        return _rms_norm_cpu(x, weight, eps, residual)
     x2, r2 = _as_rows("x", x), _as_rows("residual", residual)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)

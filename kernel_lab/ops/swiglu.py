@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_kernels
 from .common import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
@@ -119,6 +120,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     """
     out_shape = _validate(x, out)
     if not use_triton(x):
+        if x.dtype == torch.float32:  # the C kernel (csrc/cpu/norm_activation.c), where it applies
+            result = out if out is not None else torch.empty(out_shape, dtype=x.dtype)
+            if cpu_kernels.silu_and_mul_cpu(x, result):
+                return result
         y = silu_and_mul_reference(x)
         return out.copy_(y) if out is not None else y
     result = out if out is not None else torch.empty(out_shape, dtype=x.dtype, device=x.device)

@@ -11,7 +11,8 @@ import torch
 
 from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, assert_rounded_equal, case_seed, poison, randn
-from kernel_lab.ops import fused_add_rms_norm, rms_norm
+from kernel_lab.ops import cpu_kernels, fused_add_rms_norm, rms_norm
+from kernel_lab.ops import rmsnorm as rmsnorm_module
 from kernel_lab.ops.rmsnorm import FUSED_MAX_H
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -92,6 +93,49 @@ def test_fused_with_strided_inputs(device):
     normed, new_res = fused_add_rms_norm(x, res, w)
     assert_rounded_equal(new_res, x.double() + res.double(), torch.float16)
     assert_close(normed, reference64(new_res, w, 1e-6), torch.float16)
+
+
+# --------------------------------------------------------------------------------------------- CPU C path
+@pytest.fixture
+def c_path(reference_only, monkeypatch):
+    """float32 on the CPU without the interpreter: the C kernel (csrc/cpu/norm_activation.c), with the
+    reference made to fail so that a silent fallback cannot pass."""
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the CPU float32 op ran the PyTorch reference, not the C kernel")
+
+    monkeypatch.setattr(rmsnorm_module, "rms_norm_reference", no_reference)
+    monkeypatch.setattr(rmsnorm_module, "fused_add_rms_norm_reference", no_reference)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 127), (2, 3, 576), (2, 5120 + 3)])
+def test_c_cpu_path_matches_float64(c_path, shape):
+    seed = case_seed("rms-c", shape)
+    # rows inside wider buffers (row stride > H), out poisoned around its window
+    x = randn((*shape[:-1], shape[-1] + 9), torch.float32, "cpu", seed, scale=3.0, offset=0.5)[..., 4:4 + shape[-1]]
+    res = randn(shape, torch.float32, "cpu", seed + 1, scale=2.0)
+    w = randn(shape[-1:], torch.float32, "cpu", seed + 2, offset=1.0)
+    out_base = poison(torch.empty((*shape[:-1], shape[-1] + 6)))
+    out = out_base[..., 3:3 + shape[-1]]
+    rms_norm(x, w, eps=1e-5, out=out)
+    assert_close(out, reference64(x, w, 1e-5), torch.float32)
+    assert torch.isnan(out_base[..., :3]).all() and torch.isnan(out_base[..., 3 + shape[-1]:]).all()
+    normed, new_res = fused_add_rms_norm(x, res, w, eps=1e-6)
+    assert_rounded_equal(new_res, x.double() + res.double(), torch.float32)
+    assert_close(normed, reference64(new_res, w, 1e-6), torch.float32)
+
+
+def test_c_cpu_path_leaves_other_layouts_to_the_reference(reference_only):
+    """A last dimension with a stride (no row view) and half precision take the reference on CPU."""
+    xt = randn((300, 6), torch.float32, "cpu", 31).t()
+    w = randn((300,), torch.float32, "cpu", 32, offset=1.0)
+    assert_close(rms_norm(xt, w), reference64(xt, w, 1e-6), torch.float32)
+    xh = randn((3, 64), torch.bfloat16, "cpu", 33)
+    wh = randn((64,), torch.bfloat16, "cpu", 34, offset=1.0)
+    assert_close(fused_add_rms_norm(xh, xh, wh)[0], reference64(xh.double() * 2, wh, 1e-6), torch.bfloat16)
 
 
 @pytest.mark.parametrize(

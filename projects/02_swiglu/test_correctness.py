@@ -11,7 +11,8 @@ import torch
 
 from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, case_seed, poison, randn
-from kernel_lab.ops import silu_and_mul
+from kernel_lab.ops import cpu_kernels, silu_and_mul
+from kernel_lab.ops import swiglu as swiglu_module
 from kernel_lab.ops.swiglu import launch_config
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -94,6 +95,41 @@ def test_inputs_are_not_modified(device):
     x = randn((3, 2 * 100), torch.bfloat16, device, 8)
     silu_and_mul(x)
     assert torch.equal(x.cpu(), randn((3, 2 * 100), torch.bfloat16, "cpu", 8))
+
+
+@pytest.fixture
+def c_path(reference_only, monkeypatch):
+    """float32 on the CPU without the interpreter: the C kernel (csrc/cpu/norm_activation.c), with the
+    reference made to fail so that a silent fallback cannot pass."""
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the CPU float32 op ran the PyTorch reference, not the C kernel")
+
+    monkeypatch.setattr(swiglu_module, "silu_and_mul_reference", no_reference)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 7), (5, 2 * 1536), (2, 3, 2 * 4097)])
+def test_c_cpu_path_matches_float64(c_path, shape):
+    seed = case_seed("swiglu-c", shape)
+    x = randn((*shape[:-1], shape[-1] + 5), torch.float32, "cpu", seed, scale=4.0)[..., 2:2 + shape[-1]]
+    d = shape[-1] // 2
+    out_base = poison(torch.empty((*shape[:-1], d + 4)))
+    out = out_base[..., 1:1 + d]
+    assert silu_and_mul(x, out=out).data_ptr() == out.data_ptr()
+    assert_close(out, reference64(x), torch.float32)
+    assert torch.isnan(out_base[..., :1]).all() and torch.isnan(out_base[..., 1 + d:]).all()
+    assert_close(silu_and_mul(x), reference64(x), torch.float32)
+
+
+def test_c_cpu_path_large_magnitudes(c_path):
+    gate = torch.tensor([[-1000.0, -200.0, -88.5, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 1000.0]])
+    up = torch.tensor([[3.0, -2.0, 1.5, 0.25, 0.5, 4.0, 7.0, -3.0, -1.0, 2.0, 1e-3]])
+    y = silu_and_mul(torch.cat([gate, up], dim=-1))
+    assert torch.isfinite(y).all(), y
+    assert_close(y, reference64(torch.cat([gate, up], dim=-1)), torch.float32)
 
 
 def test_reference_path_agrees(reference_only):
