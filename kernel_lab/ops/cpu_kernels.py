@@ -12,8 +12,10 @@ the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read
 
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
 attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool)
-and `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and 02). Both are compiled with `-fopenmp-simd` (the `omp simd` pragmas
-only, no OpenMP runtime: torch ships its own, and two runtimes in one process fight over threads).
+and `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
+02). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
+own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
+every build's cache key.
 """
 
 from __future__ import annotations
