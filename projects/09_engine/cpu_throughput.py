@@ -6,7 +6,10 @@ workload.
 
 For each (concurrency, threads) it runs `kernel-lab bench throughput` in fresh processes, once per backend,
 on the same fixed-length workload (the same random token ids, greedy, EOS ignored), and keeps the raw JSON
-outputs under <out>/09_engine/raw/ (named backend-c<concurrency>-t<threads>.json). The engine runs with its
+outputs under <out>/09_engine/raw/ (named backend-c<concurrency>-t<threads>[-r<repeat>].json). kernel-lab
+and llama.cpp, the pair the targets compare, run `--repeats` times each (default 3), alternating, so that a
+noisy neighbour on a shared machine hits both; the record keeps every run's wall time (median, p20, p80,
+min) and takes each backend's median run. The engine runs with its
 defaults (on CPU: float32 activations, and weights='auto', which computes on the GGUF's quantized blocks);
 transformers and vLLM run in float32; llama.cpp runs the GGUF itself. vLLM runs with the Python of project
 08's environment (`--vllm-python`, default .venv-vllm), eager, one process, bound to as many cores as the
@@ -31,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, vllm_cpu_env  # noqa: E402
-from kernel_lab.harness.bench import Timing  # noqa: E402
+from kernel_lab.harness.bench import Timing, summarize  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.models.llama import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
@@ -42,8 +45,12 @@ BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)"
 ENGINE_VARIANTS = {"kernel-lab-fp32": ["--weights", "float32"]}
 
 
-def raw_name(backend: str, concurrency: int, threads: int) -> str:
-    return f"{backend}-c{concurrency}-t{threads}.json"
+# Backends run `--repeats` times per point (the others once): the comparison the targets are about.
+REPEATED = ("kernel-lab", "llama.cpp")
+
+
+def raw_name(backend: str, concurrency: int, threads: int, repeat: int = 0) -> str:
+    return f"{backend}-c{concurrency}-t{threads}" + (f"-r{repeat}" if repeat else "") + ".json"
 
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
@@ -65,10 +72,29 @@ def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, outp
     return json.loads(out.read_text())
 
 
+def median_run(summaries: list[dict]) -> dict:
+    """The run with the median wall time (the lower middle one of an even count), carrying every run's wall
+    time in `repeat_elapsed_time`."""
+    ordered = sorted(summaries, key=lambda r: r["elapsed_time"])
+    return {**ordered[(len(ordered) - 1) // 2], "repeat_elapsed_time": [r["elapsed_time"] for r in summaries]}
+
+
 def _timing(summary: dict) -> Timing:
-    ms = summary["elapsed_time"] * 1e3
-    return Timing(ms, ms, ms, ms, 1, {"kind": "whole workload wall clock, one run",
-                                      "requests": summary["num_requests"]})
+    samples = [t * 1e3 for t in summary.get("repeat_elapsed_time", [summary["elapsed_time"]])]
+    kind = "whole workload wall clock, " + ("one run" if len(samples) == 1 else
+                                            f"{len(samples)} runs in fresh processes, the median run's results")
+    return summarize(samples, {"kind": kind, "requests": summary["num_requests"]})
+
+
+def runs_tok_s(summary: dict) -> list[float]:
+    """Output tok/s of each run behind `summary` (one run, or every repeat of a median run)."""
+    tokens = summary["output_tokens_per_second"] * summary["elapsed_time"]
+    return [tokens / t for t in summary.get("repeat_elapsed_time", [summary["elapsed_time"]])]
+
+
+def _spread(summary: dict) -> str:
+    runs = runs_tok_s(summary)
+    return f" (runs {min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
 
 
 def fp32_weight_bytes() -> int:
@@ -109,6 +135,8 @@ def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultReco
                  "weights": stats.get("weights", "float32"), "weight_bytes": weight_bytes,
                  "baseline_output_tok_s": {BASELINES[b]: r["output_tokens_per_second"] for b, r in theirs.items()},
                  "ratio": ratios[(c, t)],
+                 "output_tok_s_runs": {"kernel-lab": runs_tok_s(ours),
+                                       **{BASELINES[b]: runs_tok_s(r) for b, r in theirs.items()}},
                  "ceiling": "weight-read bound: concurrency x copy GB/s / bytes of weights a decode step reads",
                  "ceiling_tok_s": bound_tok_s,
                  "percent_of_ceiling": 100.0 * ours_tok_s / bound_tok_s}
@@ -117,8 +145,8 @@ def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultReco
         record.add_case(f"output tok/s, concurrency {c}, {t} thread{'s' if t > 1 else ''}", shape=shape,
                         dtype="float32", timing=_timing(ours),
                         baselines={BASELINES[b]: _timing(r) for b, r in theirs.items()}, extra=extra)
-        print(f"concurrency {c}, {t} thread(s): kernel-lab {ours_tok_s:.1f} output tok/s; " +
-              "; ".join(f"{b} {r['output_tokens_per_second']:.1f} ({ratios[(c, t)][BASELINES[b]]:.2f}x)"
+        print(f"concurrency {c}, {t} thread(s): kernel-lab {ours_tok_s:.1f} output tok/s{_spread(ours)}; " +
+              "; ".join(f"{b} {r['output_tokens_per_second']:.1f}{_spread(r)} ({ratios[(c, t)][BASELINES[b]]:.2f}x)"
                         for b, r in theirs.items()))
     record.set_headline("output tok/s, kernel-lab / baseline: " + "; ".join(
         f"c{c} t{t}: " + (", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) or "no baseline")
@@ -144,6 +172,8 @@ def main(argv=None) -> int:
                         help="a Python with vllm installed (project 08's environment); skipped if absent")
     parser.add_argument("--llama-cpp-python", default=str(DEFAULT_LLAMA_CPP_PYTHON),
                         help="a Python with llama_cpp (.venv-llamacpp, `make llama-cpp-env`); skipped if absent")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help=f"runs per point of {' and '.join(REPEATED)} (the others run once)")
     parser.add_argument("--reuse-raw", action="store_true",
                         help="do not run: rebuild the record from the raw outputs of an earlier run")
     parser.add_argument("--out", default=str(REPO / "results"))
@@ -162,21 +192,28 @@ def main(argv=None) -> int:
                   (" (make llama-cpp-env)" if b == "llama.cpp" else " (make plugin-test builds .venv-vllm)"
                    if b == "vllm" else ""))
     args.backends = present
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs = {}
     for c in args.concurrency:
         n = args.num_prompts_c1 if c == 1 else args.num_prompts
         for t in args.threads:
-            ours = bench("kernel-lab", c, n, args.input_len, args.output_len, raw / raw_name("kernel-lab", c, t), t,
-                         reuse=args.reuse_raw, extra_args=args.engine_args)
-            theirs = {}
-            for b in args.backends:
-                extra = (["--llama-cpp-python", pythons[b]] if b == "llama.cpp"
-                         else [*args.engine_args, *ENGINE_VARIANTS[b]] if b in ENGINE_VARIANTS else [])
-                backend = "kernel-lab" if b in ENGINE_VARIANTS else b
-                theirs[b] = bench(backend, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t), t,
-                                  pythons[b] if b == "vllm" else sys.executable, reuse=args.reuse_raw,
-                                  extra_args=extra)
-            runs[(c, t)] = (ours, theirs)
+            done = {b: [] for b in ["kernel-lab", *args.backends]}
+            for r in range(args.repeats):
+                for b in done:
+                    if r and b not in REPEATED:
+                        continue
+                    if b == "kernel-lab":
+                        backend, python, extra = b, sys.executable, args.engine_args
+                    elif b in ENGINE_VARIANTS:
+                        backend, python, extra = "kernel-lab", sys.executable, [*args.engine_args, *ENGINE_VARIANTS[b]]
+                    else:
+                        backend, python = b, pythons[b] if b == "vllm" else sys.executable
+                        extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
+                    done[b].append(bench(backend, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t, r),
+                                         t, python, reuse=args.reuse_raw, extra_args=extra))
+            ours = median_run(done.pop("kernel-lab"))
+            runs[(c, t)] = (ours, {b: median_run(v) for b, v in done.items()})
     build_record(runs, args).emit(args.out)
     return 0
 

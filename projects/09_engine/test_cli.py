@@ -43,8 +43,9 @@ def test_bench_throughput_writes_json(reference_only, tmp_path, capsys):
 
 
 def test_cpu_step_floor_writes_a_consistent_record(reference_only, tmp_path):
-    """The script behind the README's "decode step vs its GEMMs" table, at toy sizes: the GEMMs are part of
-    the step (share in (0, 1]) and the workload bound is the GEMM time it adds up."""
+    """The script behind the README's "decode step vs its projections" figures, at toy sizes, for both weight
+    layouts: the projections are part of the step (share in (0, 1]) and the workload bound is the
+    projection time it adds up."""
     import importlib.util
     from pathlib import Path
 
@@ -53,12 +54,15 @@ def test_cpu_step_floor_writes_a_consistent_record(reference_only, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--batch", "2", "--steps", "3", "--input-len", "8", "--output-len", "4", "--num-prompts",
-                        "4", "--prefill-rows", "16", "--out", str(tmp_path)]) == 0
+                        "4", "--prefill-rows", "16", "--weights", "quantized", "float32", "--threads", "1",
+                        "--out", str(tmp_path)]) == 0
     (path,) = (tmp_path / "09_engine").glob("*.json")
     record = json.loads(path.read_text())
-    prefill, decode = record["cases"]
-    gemm_ms, step_ms = decode["gemm_only"]["timing"]["median_ms"], decode["timing"]["median_ms"]
-    assert decode["gemm_share_of_step"] == pytest.approx(gemm_ms / step_ms)
-    assert 0 < decode["gemm_share_of_step"] <= 1.5  # toy sizes time noisily, but the GEMMs are inside the step
-    floor_s = (4 * 8 * prefill["timing"]["median_ms"] / 16 + 4 / 2 * 3 * gemm_ms) / 1e3
-    assert decode["workload_gemm_floor_output_tok_s"] == pytest.approx(4 * 4 / floor_s)
+    cases = record["cases"]
+    assert [c["shape"]["weights"] for c in cases] == ["quantized", "quantized", "float32", "float32"]
+    for prefill, decode in (cases[:2], cases[2:]):
+        gemm_ms, step_ms = decode["gemm_only"]["timing"]["median_ms"], decode["timing"]["median_ms"]
+        assert decode["gemm_share_of_step"] == pytest.approx(gemm_ms / step_ms)
+        assert 0 < decode["gemm_share_of_step"] <= 1.5  # toy sizes time noisily, but they are inside the step
+        floor_s = (4 * 8 * prefill["timing"]["median_ms"] / 16 + 4 / 2 * 3 * gemm_ms) / 1e3
+        assert decode["workload_gemm_floor_output_tok_s"] == pytest.approx(4 * 4 / floor_s)

@@ -52,7 +52,7 @@ def test_record_from_raw_outputs(tmp_path, capsys):
     write_raw(tmp_path)
     cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "1", "2",
                          "--num-prompts", "6", "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8",
-                         "--backends", "transformers", "llama.cpp"])
+                         "--backends", "transformers", "llama.cpp", "--repeats", "1"])
     paths = list((tmp_path / "09_engine").glob("cpu-throughput-*.json"))
     assert len(paths) == 1
     record = json.loads(paths[0].read_text())
@@ -83,7 +83,33 @@ def test_reuse_refuses_raw_output_of_another_run(tmp_path):
         json.dumps(summary("kernel-lab", 4, 1, 6, 30.0)))  # says 1 thread under the 2-thread name
     with pytest.raises(SystemExit, match="does not hold the run"):
         cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "4", "--threads", "2",
-                             "--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--backends"])
+                             "--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--repeats", "1",
+                             "--backends"])
+
+
+def test_repeated_pair_takes_each_backends_median_run(tmp_path):
+    """kernel-lab and llama.cpp run three times per point: the record holds every run's wall time and each
+    backend's median run; the once-run baselines keep their single run."""
+    write_raw(tmp_path, concurrency=(4,), threads=(2,))
+    raw = tmp_path / "09_engine" / "raw"
+    for backend, speeds in (("kernel-lab", (20.0, 40.0)), ("llama.cpp", (50.0, 10.0))):
+        for r, tok_s in enumerate(speeds, start=1):
+            (raw / cpu_throughput.raw_name(backend, 4, 2, r)).write_text(json.dumps(summary(backend, 4, 2, 6, tok_s)))
+    cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "4", "--threads", "2",
+                         "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                         "--backends", "transformers", "llama.cpp"])
+    record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
+    (case,) = record["cases"]
+    # runs: kernel-lab 240, 20, 40 tok/s (median 40); llama.cpp 320, 50, 10 (median 50); transformers 80 once
+    assert case["metric"]["value"] == pytest.approx(40.0)
+    assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(80.0),
+                                             "llama.cpp": pytest.approx(50.0)}
+    assert case["ratio"]["llama.cpp"] == pytest.approx(0.8)
+    elapsed_ms = sorted(6 * 8 / v * 1e3 for v in (240.0, 20.0, 40.0))
+    assert case["timing"]["samples"] == 3 and case["timing"]["min_ms"] == pytest.approx(elapsed_ms[0])
+    assert case["timing"]["median_ms"] == pytest.approx(elapsed_ms[1])
+    assert case["baselines"]["llama.cpp"]["timing"]["samples"] == 3
+    assert case["baselines"]["transformers generate"]["timing"]["samples"] == 1
 
 
 def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
@@ -106,6 +132,10 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
                          "--input-len", "16", "--output-len", "8", "--vllm-python", str(tmp_path / "absent"),
                          "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64"])
     assert "skipping vllm" in capsys.readouterr().out
+    names = [Path(cmd[cmd.index("--output-json") + 1]).name for cmd, _ in commands]
+    assert names == ["kernel-lab-c4-t2.json", "transformers-c4-t2.json", "llama.cpp-c4-t2.json",
+                     "kernel-lab-fp32-c4-t2.json", "kernel-lab-c4-t2-r1.json", "llama.cpp-c4-t2-r1.json",
+                     "kernel-lab-c4-t2-r2.json", "llama.cpp-c4-t2-r2.json"]  # the compared pair, alternating
     by_backend = {Path(cmd[cmd.index("--output-json") + 1]).name.split("-c")[0]: (cmd, env) for cmd, env in commands}
     assert sorted(by_backend) == ["kernel-lab", "kernel-lab-fp32", "llama.cpp", "transformers"]
     ours, env = by_backend["kernel-lab"]
@@ -117,6 +147,5 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     llama, _ = by_backend["llama.cpp"]
     assert llama[llama.index("--llama-cpp-python") + 1] == str(fake_python)
     assert "--max-num-batched-tokens" not in llama
-    assert Path(llama[llama.index("--output-json") + 1]).name == "llama.cpp-c4-t2.json"
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
     assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp", "kernel-lab, float32 weights"}

@@ -114,3 +114,35 @@ def test_the_export_stays_a_plain_model_directory():
     model_dir = resolve_model_dir(None)
     assert [p.name for p in model_dir.glob("*.safetensors")] == ["model.safetensors"]
     assert (model_dir / BLOCKS_FILE).is_file() and has_quantized_weights(model_dir)
+
+
+def test_the_one_call_layer_attention_is_the_separate_ops(monkeypatch):
+    """A CPU step's layers make one C call for RoPE, the KV write and attention (rope_write_paged_attention).
+    With float32 weights (no int8 rounding to amplify an ulp) the first-token log-probabilities equal, to
+    float32 noise, those of the same engine running apply_rope, write_kv and paged_decode_attention as
+    separate ops."""
+    from kernel_lab.engine.model_runner import ModelRunner
+    from kernel_lab.ops import cpu_kernels
+
+    calls = []
+    fused_call = cpu_kernels.rope_write_paged_attention_cpu
+    monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu", lambda *a: calls.append(1) or fused_call(*a))
+    engine = LLMEngine(None, weights="float32", **KWARGS)
+    fused = _first_logprobs(engine, PROMPTS[:3])
+    layers = engine.runner.config.num_layers
+    assert calls and len(calls) % layers == 0, "a CPU step did not take the one-call layer attention"
+
+    check = ModelRunner._check_step_inputs
+
+    def separate_ops(self, meta):
+        check(self, meta)
+        meta.fused_cpu_decode = False
+
+    monkeypatch.setattr(ModelRunner, "_check_step_inputs", separate_ops)
+    calls.clear()
+    separate = _first_logprobs(LLMEngine(None, weights="float32", **KWARGS), PROMPTS[:3])
+    assert not calls
+    for a, b in zip(fused, separate, strict=True):
+        top = sorted(b, key=b.get, reverse=True)[:5]
+        assert sorted(a, key=a.get, reverse=True)[:5] == top
+        assert max(abs(a[t] - b[t]) for t in top) < 1e-3
