@@ -63,6 +63,25 @@ def _nvcc_version() -> str | None:
     return None
 
 
+def _cpu_description() -> tuple[str | None, list[str]]:
+    """The CPU's model name and its vector-ISA flags (AVX*, AMX*, FMA, F16C) from /proc/cpuinfo: CPU results
+    depend on them, and `platform` only says x86_64 (None and [] where the file is absent)."""
+    model, flags = None, []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = sorted(v for v in value.split() if v.startswith(("avx", "amx", "sve", "asimd"))
+                                   or v in ("fma", "f16c"))
+    except OSError:
+        pass
+    return model, flags
+
+
 def environment_record() -> dict:
     """Everything a reader needs to reproduce or discount a measurement."""
     import torch
@@ -83,12 +102,15 @@ def environment_record() -> dict:
             "memory_gib": round(props.total_memory / 2**30, 1),
             "driver": _driver_version(),
         }
+    cpu_model, cpu_simd = _cpu_description()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "cpu_simd": cpu_simd,
         "python": platform.python_version(),
         "gpu": gpu,
         "cuda_runtime": torch.version.cuda,

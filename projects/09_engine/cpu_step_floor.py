@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-prompts-c1", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="steady decode steps timed per point")
     parser.add_argument("--prefill-rows", type=int, default=512, help="rows of the prefill chunk timed")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
