@@ -177,6 +177,24 @@ def test_every_isa_path_this_cpu_runs(library, extra_flags, expected):
         assert bool(((y - run_kernel(library, x, weight)).double().abs() <= 2 * tol).all()), (isa, fmt)
 
 
+def test_tile_pairs_compute_the_same_bits_as_single_tiles(library):
+    """With AVX-512 (VNNI and BW) steps of 5 or more rows take two tiles at once in 512-bit vectors; each lane
+    does the 256-bit path's operations in its order, so the bits match a build without the pair path. The
+    shapes cover pairs, a leftover single tile, a partial last tile and row counts off the 4-row passes."""
+    flags = f" {cpu_kernels._cpu_flags()} "
+    if not all(f" {f} " in flags for f in ("avx512_vnni", "avx512bw", "avx512vl")):
+        pytest.skip("the pair path needs AVX-512 VNNI and BW")
+    single = cpu_kernels.load_library("gguf_linear", ("-mno-avx512bw",))
+    assert single is not None and single.kl_gguf_isa().decode() == "avx512vnni"
+    for fmt in sorted(FORMATS):
+        for m, n, k in [(5, 16, 64), (9, 129, 96), (33, 40, 160), (64, 264, 576)]:
+            seed = case_seed("gguf-pairs", fmt, m, n, k)
+            weight, x = random_weight(fmt, n, k, seed), random_x(m, k, seed + 1)
+            paired = run_kernel(library, x, weight)
+            assert torch.equal(paired, run_kernel(single, x, weight)), (fmt, m, n, k)
+            assert torch.equal(paired[:4], run_kernel(library, x[:4], weight)), "rows below the pair threshold"
+
+
 def test_default_build_takes_the_widest_path_and_holds_its_instructions(library):
     """The library built for this CPU uses its best dot-product instruction: vpdpbusd (VNNI) or vpmaddubsw
     (AVX2). A silent fallback to the scalar loop would pass every maths test while running 10x slower."""
@@ -193,6 +211,8 @@ def test_default_build_takes_the_widest_path_and_holds_its_instructions(library)
     wanted = {"avx512vnni": r"\bvpdpbusd\b", "avxvnni": r"\bvpdpbusd\b", "avx2": r"\bvpmaddubsw\b"}.get(isa)
     if wanted:
         assert len(re.findall(wanted, listing)) >= 8, f"{isa} build without {wanted}"
+    if isa == "avx512vnni" and " avx512bw " in flags:  # the 512-bit tile-pair path for many-row steps
+        assert len(re.findall(r"\bvpdpbusd\b[^\n]*zmm", listing)) >= 8, "no 512-bit vpdpbusd"
 
 
 def test_threads_split_rows_without_changing_a_bit(library):

@@ -23,6 +23,9 @@
  *     horizontal sums, and 8 outputs stored together;
  *   - a weight tile is unpacked once per TILE_M rows of x, so a batch reads the weights from memory once
  *     (the point of batching), and TILE_M independent dependency chains keep the units busy;
+ *   - with AVX-512 (VNNI, BW), steps of PAIR_MIN_ROWS rows or more take two tiles at once in 512-bit vectors
+ *     (tile_pair_rows): one broadcast of 4 activations feeds 16 rows, where many-row steps were bound by
+ *     the broadcasts and loop work; same per-lane operations, same bits;
  *   - tiles are split among a small pthread pool (not OpenMP: torch brings its own runtime).
  *
  * Tile layout, per tile of 8 rows and per block b (tiles are contiguous, blocks in order within a tile):
@@ -208,6 +211,68 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const uint
     }
     for (int r = 0; r < MR; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KL_PAIR_TILES 1
+#define PAIR_M TILE_M   /* rows of x per pass over a tile pair (8 measured no faster) */
+#define PAIR_MIN_ROWS 5 /* below this the 256-bit single-tile path was faster (decode at batch 1-4) */
+static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 halves_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+
+/* Two adjacent full tiles (16 weight rows) against rows [r0, r0 + MR) of x, in 512-bit vectors: lanes 0-7
+ * are the first tile's rows, 8-15 the second's. Each broadcast group of 4 activations then feeds 16 rows'
+ * dot products in one vpdpbusd instead of 8, which halves the broadcasts and the loop's other work per
+ * product; on many-row steps (prefill, large batches) the kernel is bound by exactly that work. Every lane
+ * does tile_rows' operations in tile_rows' order, so the results are the same bits. */
+static inline __attribute__((always_inline)) void tile_pair_rows(int type, const uint8_t *tile, int64_t tile_bytes,
+                                                                  const QuantizedRows *x, int64_t r0, const int MR,
+                                                                  float *out, int64_t ldo) {
+    const int64_t nb = x->nb, tbb = tile_block_bytes(type);
+    const uint8_t *next = tile + tile_bytes;
+    __m512 acc[PAIR_M];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * tbb, *blk2 = next + b * tbb;
+        const __m512 wd = halves_pair(blk, blk2);
+        const __m512 off = type == GGML_Q4_1 ? halves_pair(blk + 16, blk2 + 16)
+                           : _mm512_mul_ps(wd, _mm512_set1_ps(type == GGML_Q4_0 ? -8.0f : -128.0f));
+        const uint8_t *quants = blk + quants_offset(type), *quants2 = blk2 + quants_offset(type);
+        __m512i w[8];
+        if (type == GGML_Q8_0) {
+            for (int g = 0; g < 8; g++)
+                w[g] = _mm512_xor_si512(load_pair(quants + 32 * g, quants2 + 32 * g), _mm512_set1_epi8((char)0x80));
+        } else {
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = load_pair(quants + 32 * v, quants2 + 32 * v);
+                w[v] = _mm512_and_si512(raw, low);
+                w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const int64_t row = r0 + r;
+            const int8_t *xq = x->q + row * x->k + b * QK;
+            __m512i idot = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                int32_t v;
+                memcpy(&v, xq + 4 * g, sizeof v);
+                idot = _mm512_dpbusd_epi32(idot, w[g], _mm512_set1_epi32(v));
+            }
+            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(x->d[row * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(x->s[row * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
 #else
 /* Quant j (0..31) of row i in a tile block, as the unsigned value the SIMD path multiplies. */
 static inline int tile_quant(int type, const uint8_t *quants, int i, int j) {
@@ -248,6 +313,21 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = w + t * tile_bytes;
         const int64_t n0 = t * TILE_N;
+#ifdef KL_PAIR_TILES
+        if (m >= PAIR_MIN_ROWS && t + 1 < t1 && n0 + 2 * TILE_N <= n) { /* two full tiles: 16 rows at once */
+            for (int64_t r = 0; r < m; r += PAIR_M) {
+                float *dst = y + r * ldy + n0;
+                switch (m - r < PAIR_M ? m - r : PAIR_M) {
+                case 4: tile_pair_rows(type, tile, tile_bytes, x, r, 4, dst, ldy); break;
+                case 3: tile_pair_rows(type, tile, tile_bytes, x, r, 3, dst, ldy); break;
+                case 2: tile_pair_rows(type, tile, tile_bytes, x, r, 2, dst, ldy); break;
+                default: tile_pair_rows(type, tile, tile_bytes, x, r, 1, dst, ldy); break;
+                }
+            }
+            t++;
+            continue;
+        }
+#endif
         const int full = n0 + TILE_N <= n;
         for (int64_t r = 0; r < m; r += TILE_M) {
             const int64_t mr = m - r < TILE_M ? m - r : TILE_M;
