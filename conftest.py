@@ -51,3 +51,24 @@ def pytest_runtest_logreport(report):
     with open(_TEST_LOG, "a") as f:
         f.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome,
                             "seconds": round(report.duration, 3)}) + "\n")
+
+
+@pytest.fixture
+def c_kernels_only(reference_only, monkeypatch):
+    """CPU ops on their plain-C kernels (kernel_lab/csrc/cpu): no interpreter, KERNEL_LAB_CPU_KERNELS unset,
+    skipped without a C compiler. Returns `forbid(module, *names)`, which makes those PyTorch references
+    fail, so that a silent fallback to them cannot pass."""
+    from kernel_lab.ops import cpu_kernels
+
+    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+
+    def forbid(module, *names):
+        def ran_the_reference(*args, **kwargs):
+            raise AssertionError("a CPU op ran its PyTorch reference, not its C kernel")
+
+        for name in names:
+            monkeypatch.setattr(module, name, ran_the_reference)
+
+    return forbid

@@ -11,7 +11,7 @@ import torch
 
 from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, assert_rounded_equal, case_seed, poison, randn
-from kernel_lab.ops import cpu_kernels, fused_add_rms_norm, rms_norm
+from kernel_lab.ops import fused_add_rms_norm, rms_norm
 from kernel_lab.ops import rmsnorm as rmsnorm_module
 from kernel_lab.ops.rmsnorm import FUSED_MAX_H
 
@@ -97,18 +97,9 @@ def test_fused_with_strided_inputs(device):
 
 # --------------------------------------------------------------------------------------------- CPU C path
 @pytest.fixture
-def c_path(reference_only, monkeypatch):
-    """float32 on the CPU without the interpreter: the C kernel (csrc/cpu/norm_activation.c), with the
-    reference made to fail so that a silent fallback cannot pass."""
-    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("the CPU float32 op ran the PyTorch reference, not the C kernel")
-
-    monkeypatch.setattr(rmsnorm_module, "rms_norm_reference", no_reference)
-    monkeypatch.setattr(rmsnorm_module, "fused_add_rms_norm_reference", no_reference)
+def c_path(c_kernels_only):
+    """float32 on the CPU through csrc/cpu/norm_activation.c, with the reference made to fail."""
+    c_kernels_only(rmsnorm_module, "rms_norm_reference", "fused_add_rms_norm_reference")
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 127), (2, 3, 576), (2, 5120 + 3)])

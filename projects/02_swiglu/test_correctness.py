@@ -11,7 +11,7 @@ import torch
 
 from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, case_seed, poison, randn
-from kernel_lab.ops import cpu_kernels, silu_and_mul
+from kernel_lab.ops import silu_and_mul
 from kernel_lab.ops import swiglu as swiglu_module
 from kernel_lab.ops.swiglu import launch_config
 
@@ -98,17 +98,9 @@ def test_inputs_are_not_modified(device):
 
 
 @pytest.fixture
-def c_path(reference_only, monkeypatch):
-    """float32 on the CPU without the interpreter: the C kernel (csrc/cpu/norm_activation.c), with the
-    reference made to fail so that a silent fallback cannot pass."""
-    monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("the CPU float32 op ran the PyTorch reference, not the C kernel")
-
-    monkeypatch.setattr(swiglu_module, "silu_and_mul_reference", no_reference)
+def c_path(c_kernels_only):
+    """float32 on the CPU through csrc/cpu/norm_activation.c, with the reference made to fail."""
+    c_kernels_only(swiglu_module, "silu_and_mul_reference")
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 7), (5, 2 * 1536), (2, 3, 2 * 4097)])
