@@ -121,5 +121,6 @@ def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torc
     cos, sin = rope
     out = torch.empty(qkv.shape[0], num_q_heads * cache.k_cache.shape[-1], dtype=qkv.dtype)
     cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
-                                   meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale, out)
+                                               meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale,
+                                               out)
     return out
