@@ -11,9 +11,10 @@ When there is no compiler or the build fails, `load_library()` warns once and re
 the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
 
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
-attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool)
+attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
-02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
+02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled
+with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
 every build's cache key.
 """
@@ -185,8 +186,8 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
 
 
 def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The built library `name` (paged_decode_attention, gguf_linear, norm_activation or token_bitmask), or None (disabled by
-    KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
+    """The built library `name` (paged_decode_attention, gguf_linear, norm_activation or token_bitmask), or
+    None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
     return _load(name, tuple(extra_flags)) if enabled() else None
 
 
