@@ -274,3 +274,43 @@ print(json.dumps({"import": imported - start, "tokenizer_info": info - imported,
     times = json.loads(result.stdout.strip().splitlines()[-1])
     assert times["no_transformers"] and times["real_transformers"], times
     assert times["total"] < 10.0, times
+
+
+# --- forced tool calls through the grammar ---------------------------------------------------------------
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                         "b": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["a", "b"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_calls_always_parse_and_satisfy_their_schemas(tokenizer, service, reference_only, tool_choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    from kernel_lab.engine.tool_calls import ForcedToolCallStream, forced_tool_calls, tool_choice_spec
+
+    spec = tool_choice_spec(TOOLS, tool_choice)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    names = set()
+    for seed in range(8):
+        ids = constrained_sample(service, spec, seed, max_tokens=600)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        calls = forced_tool_calls(text, tool_choice)
+        assert calls
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            names.add(call["function"]["name"])
+        stream, pieces = ForcedToolCallStream(tool_choice), []
+        for k in range(1, len(ids) + 1):  # the text deltas a streaming detokenizer sends
+            pieces.append(tokenizer.decode(ids[:k], skip_special_tokens=False)[len("".join(pieces)):])
+        streamed = [d for piece in pieces for d in stream.feed(piece)] + stream.finish()
+        assert [c["function"]["name"] for c in stream.tool_calls] == [c["function"]["name"] for c in calls]
+        assert [json.loads(c["function"]["arguments"]) for c in stream.tool_calls] == [
+            json.loads(c["function"]["arguments"]) for c in calls]
+        assert streamed
+    assert names == ({"get_weather", "add"} if tool_choice == "required" else {"add"})
