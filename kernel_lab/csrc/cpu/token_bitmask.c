@@ -14,23 +14,22 @@
 
 #include <stdint.h>
 
-static void mask_row_u32(uint32_t *row, int64_t col_stride, int64_t vocab, const int32_t *words, uint32_t neg_inf) {
-    for (int64_t w = 0; w * 32 < vocab; ++w) {
-        const uint32_t word = (uint32_t)words[w];
-        if (word == 0xFFFFFFFFu) continue;
-        const int64_t end = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
-        for (int64_t b = 0; b < end; ++b)
-            if (!((word >> b) & 1u)) row[(w * 32 + b) * col_stride] = neg_inf;
-    }
+/* -inf into element k of a row of 2- or 4-byte elements (a branch the predictor learns: one size per call). */
+static inline void store_neg_inf(void *row, int64_t k, int elem_bytes, uint32_t neg_inf) {
+    if (elem_bytes == 4)
+        ((uint32_t *)row)[k] = neg_inf;
+    else
+        ((uint16_t *)row)[k] = (uint16_t)neg_inf;
 }
 
-static void mask_row_u16(uint16_t *row, int64_t col_stride, int64_t vocab, const int32_t *words, uint16_t neg_inf) {
+static void mask_row(void *row, int elem_bytes, int64_t col_stride, int64_t vocab, const int32_t *words,
+                     uint32_t neg_inf) {
     for (int64_t w = 0; w * 32 < vocab; ++w) {
         const uint32_t word = (uint32_t)words[w];
         if (word == 0xFFFFFFFFu) continue;
         const int64_t end = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
         for (int64_t b = 0; b < end; ++b)
-            if (!((word >> b) & 1u)) row[(w * 32 + b) * col_stride] = neg_inf;
+            if (!((word >> b) & 1u)) store_neg_inf(row, (w * 32 + b) * col_stride, elem_bytes, neg_inf);
     }
 }
 
@@ -43,11 +42,8 @@ int kl_apply_token_bitmask(void *logits, int elem_bytes, uint32_t neg_inf_bits, 
     if (elem_bytes != 2 && elem_bytes != 4) return -1;
     for (int64_t i = 0; i < n_masks; ++i) {
         const int64_t r = rows ? rows[i] : i;
-        const int32_t *words = bitmask + i * mask_stride;
-        if (elem_bytes == 4)
-            mask_row_u32((uint32_t *)logits + r * row_stride, col_stride, vocab, words, neg_inf_bits);
-        else
-            mask_row_u16((uint16_t *)logits + r * row_stride, col_stride, vocab, words, (uint16_t)neg_inf_bits);
+        char *row = (char *)logits + r * row_stride * elem_bytes;
+        mask_row(row, elem_bytes, col_stride, vocab, bitmask + i * mask_stride, neg_inf_bits);
     }
     return 0;
 }
