@@ -189,6 +189,27 @@ def test_gpu_large_batches(vocab):
     assert_bits_equal(got, expected(x, mask, rows))
 
 
+@pytest.mark.gpu
+def test_gpu_under_cuda_graph():
+    # No host read-back on CUDA (validate defaults to off there), so the op can live inside a decode graph.
+    vocab = 49152
+    x = logits_with_nans((8, vocab), torch.float32, 7).cuda()
+    mask, rows = random_bitmask(3, vocab, 8).cuda(), torch.tensor([6, 1, 4], device="cuda")
+    buffer = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        apply_token_bitmask(buffer, mask, rows)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apply_token_bitmask(buffer, mask, rows)
+    buffer.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bits_equal(buffer, expected(x.cpu(), mask.cpu(), rows.cpu()))
+
+
 # --- generated code ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled():
