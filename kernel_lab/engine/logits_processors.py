@@ -17,8 +17,9 @@ Order (vLLM's v1 sampler), each applied only to the rows that use it:
 
 The per-step state (`LogitsState`) is built from each row's `SamplingControls` and token lists by
 `build_logits_state`; a processor no row uses costs nothing (its tensors are None), and the tensors cover only
-the rows that use it (`rows` indices). Token counts are dense [rows_with_penalties, vocab] int32, built with
-one scatter from the concatenated token lists.
+the rows that use it (`rows` indices). The penalties are sparse: one entry per distinct (row, token) of the
+penalised rows' prompts and outputs, with its output count, found by `torch.unique` on row * vocab + token,
+so a step costs O(tokens seen) and never touches the rest of the vocabulary.
 
 Validation (`validate_*`): the ranges of vLLM and OpenAI, as ValueError naming the parameter.
 """
@@ -147,12 +148,15 @@ class SamplingControls:
 
 @dataclass
 class Penalties:
-    rows: torch.Tensor          # [R] int64 batch rows
-    counts: torch.Tensor        # [R, V] int32 occurrences in the output
-    in_prompt: torch.Tensor     # [R, V] bool (for the repetition penalty: prompt + output)
-    presence: torch.Tensor      # [R, 1]
-    frequency: torch.Tensor     # [R, 1]
-    repetition: torch.Tensor    # [R, 1]
+    """The (row, token) pairs a penalty touches: every token in a penalised row's prompt or output, once.
+    A step costs O(tokens seen), not O(rows * vocab)."""
+
+    rows: torch.Tensor          # [N] int64 batch rows
+    tokens: torch.Tensor        # [N] int64
+    counts: torch.Tensor        # [N] float32 occurrences in the output (0: in the prompt only)
+    presence: torch.Tensor      # [N] the pair's row's presence_penalty
+    frequency: torch.Tensor     # [N]
+    repetition: torch.Tensor    # [N]
 
 
 @dataclass
@@ -184,15 +188,28 @@ def _bad_word_bans(words: Sequence[tuple[int, ...]], output: Sequence[int]) -> l
     return banned
 
 
-def _token_matrix(lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
-    """[len(lists), vocab] int32 counts of each token in each list, by one scatter."""
-    counts = torch.zeros((len(lists), vocab_size), dtype=torch.int32)
-    lengths = [len(x) for x in lists]
-    if sum(lengths):
-        rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(lengths))
-        tokens = torch.tensor([t for x in lists for t in x], dtype=torch.int64)
-        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-    return counts
+def _keys(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """row * vocab + token for every token of every list (int64)."""
+    parts = [torch.as_tensor(list(x), dtype=torch.int64) + r * vocab_size for r, x in zip(rows, lists)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def _penalties(controls, rows: list[int], prompts, outputs, vocab_size: int, device) -> Penalties:
+    out_keys, out_counts = torch.unique(_keys(rows, [outputs[i] for i in rows], vocab_size), return_counts=True)
+    seen = torch.unique(torch.cat([_keys(rows, [prompts[i] for i in rows], vocab_size), out_keys]))
+    at = torch.searchsorted(out_keys, seen).clamp(max=max(len(out_keys) - 1, 0))
+    found = out_keys[at] == seen if len(out_keys) else torch.zeros_like(seen, dtype=torch.bool)
+    counts = torch.where(found, out_counts[at] if len(out_keys) else 0, 0).float()
+    pair_rows = seen // vocab_size
+
+    def per_pair(name):
+        value = torch.zeros(len(controls))
+        value[rows] = torch.tensor([getattr(controls[i], name) for i in rows])
+        return value[pair_rows].to(device)
+
+    return Penalties(rows=pair_rows.to(device), tokens=(seen % vocab_size).to(device), counts=counts.to(device),
+                     presence=per_pair("presence_penalty"), frequency=per_pair("frequency_penalty"),
+                     repetition=per_pair("repetition_penalty"))
 
 
 def build_logits_state(controls: Sequence[SamplingControls | None], prompt_token_ids: Sequence[Sequence[int]],
@@ -222,13 +239,7 @@ def build_logits_state(controls: Sequence[SamplingControls | None], prompt_token
         state.bias = (rows, tokens, torch.tensor([v for _, _, v in bias], dtype=torch.float32, device=device))
     penal = [i for i, c in enumerate(controls) if c and c.has_penalties]
     if penal:
-        col = lambda name: torch.tensor([[getattr(controls[i], name)] for i in penal], device=device)  # noqa: E731
-        state.penalties = Penalties(
-            rows=torch.tensor(penal, dtype=torch.int64, device=device),
-            counts=_token_matrix([output_token_ids[i] for i in penal], vocab_size).to(device),
-            in_prompt=(_token_matrix([prompt_token_ids[i] for i in penal], vocab_size) > 0).to(device),
-            presence=col("presence_penalty"), frequency=col("frequency_penalty"),
-            repetition=col("repetition_penalty"))
+        state.penalties = _penalties(controls, penal, prompt_token_ids, output_token_ids, vocab_size, device)
     if any(c and c.min_p > 0.0 for c in controls):
         state.min_p = torch.tensor([c.min_p if c else 0.0 for c in controls], dtype=torch.float32, device=device)
     return state
@@ -249,13 +260,10 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
-    x = logits[p.rows]
-    output = p.counts > 0
-    seen = output | p.in_prompt
-    rep = p.repetition.to(x.dtype)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - p.frequency.to(x.dtype) * p.counts.to(x.dtype) - p.presence.to(x.dtype) * output.to(x.dtype)
-    logits[p.rows] = x
+    x = logits[p.rows, p.tokens].float()
+    x = torch.where(x > 0, x / p.repetition, x * p.repetition)
+    x = x - p.frequency * p.counts - p.presence * (p.counts > 0).float()
+    logits[p.rows, p.tokens] = x.to(logits.dtype)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Tensor) -> None:

@@ -182,7 +182,8 @@ def test_min_p_matches_its_softmax_definition():
 def test_state_covers_only_the_rows_that_use_each_processor():
     controls = [None, SamplingControls(presence_penalty=0.5), SamplingControls(min_p=0.1), None]
     state = build_logits_state(controls, [[1]] * 4, [[2]] * 4, VOCAB)
-    assert state.penalties.rows.tolist() == [1] and state.penalties.counts.shape == (1, VOCAB)
+    assert state.penalties.rows.tolist() == [1, 1] and state.penalties.tokens.tolist() == [1, 2]
+    assert state.penalties.counts.tolist() == [0.0, 1.0]  # token 1 only in the prompt
     assert state.min_p.tolist() == pytest.approx([0, 0, 0.1, 0])
     assert state.bias is None and state.allowed_rows is None
     with pytest.raises(ValueError, match="one entry per batch row"):
