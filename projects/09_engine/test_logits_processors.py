@@ -230,3 +230,14 @@ def test_cuda_matches_cpu():
         state = build_logits_state(controls, prompts, outputs, VOCAB, device="cuda")
         gpu = apply_logits_processors(logits.cuda(), state)
         assert_matches(gpu, cpu.double().tolist())
+
+
+def test_rows_do_not_depend_on_the_batch():
+    # Seeded sampling stays batch-invariant only if each row's processed logits are its own business.
+    logits, prompts, outputs, rng = random_batch(7)
+    controls = [SamplingControls(**{k: v for make in ONE_AT_A_TIME.values() for k, v in make(rng, o).items()})
+                for o in outputs]
+    together, _ = run(logits, controls, prompts, outputs)
+    for r in range(len(controls)):
+        alone, _ = run(logits[r:r + 1], controls[r:r + 1], prompts[r:r + 1], outputs[r:r + 1])
+        assert torch.equal(alone[0], together[r])
