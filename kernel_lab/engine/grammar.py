@@ -194,6 +194,31 @@ class SequenceMatcher:
         return twin
 
 
+class GrammarRequest:
+    """A request's grammar from submission to its sequences' matchers: the scheduler keeps the request
+    waiting while `ready()` is False, fails it (a 400, freeing its blocks) when `error()` is set, and asks
+    `matcher(i)` for sequence i (n > 1: one independent matcher per sequence) once it is ready."""
+
+    def __init__(self, service: GrammarCompileService, spec: StructuredOutputSpec):
+        self.spec = spec
+        self.future = service.submit(spec)
+        self._matchers: dict[int, SequenceMatcher] = {}
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def error(self) -> BaseException | None:
+        """The compile error (GrammarCompileError for a bad value), once done; None while pending or fine."""
+        return self.future.exception() if self.future.done() else None
+
+    def matcher(self, index: int = 0) -> SequenceMatcher:
+        if not self.ready():
+            raise RuntimeError("the grammar is still compiling: keep the request waiting until ready()")
+        if index not in self._matchers:
+            self._matchers[index] = SequenceMatcher(self.future.result())
+        return self._matchers[index]
+
+
 def fill_step_bitmask(matchers: Sequence[SequenceMatcher | None],
                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One decode step's masks: (bitmask [n, words] int32, rows [n] int64) for the batch rows whose matcher

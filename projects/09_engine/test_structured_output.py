@@ -237,6 +237,33 @@ def test_step_bitmask_skips_unconstrained_and_terminated_rows(service):
     assert not live.accept_token(service.info.stop_token_ids[0])  # "" is not a choice: the stop is refused
 
 
+def test_a_grammar_request_waits_then_gives_one_matcher_per_sequence(service):
+    import concurrent.futures
+
+    from kernel_lab.engine.grammar import GrammarCompileError, GrammarRequest
+
+    release = threading.Event()
+    slow = concurrent.futures.ThreadPoolExecutor(1)
+    spec = make_spec("regex", "[ab]{3}", "guided_regex")
+    real_submit = service.submit
+    service.submit = lambda s: slow.submit(lambda: (release.wait(30), real_submit(s).result())[1])
+    try:
+        request = GrammarRequest(service, spec)
+        assert not request.ready() and request.error() is None
+        with pytest.raises(RuntimeError, match="still compiling"):
+            request.matcher(0)
+        release.set()
+        request.future.result(timeout=30)
+    finally:
+        del service.submit
+    first, second = request.matcher(0), request.matcher(1)
+    assert first is request.matcher(0) and first is not second
+    assert first.accept_token(service.info.decoded_vocab.index(b"a")) and not second.is_completed()
+    bad = GrammarRequest(service, make_spec("regex", "(", "guided_regex"))
+    bad.future.exception(timeout=30)
+    assert isinstance(bad.error(), GrammarCompileError)
+
+
 def test_forked_matchers_advance_independently(tokenizer, service, reference_only):
     from kernel_lab.engine.grammar import SequenceMatcher
 
