@@ -11,9 +11,10 @@ When there is no compiler or the build fails, `load_library()` warns once and re
 the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
 
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
-attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool)
-and `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
-02). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
+attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
+`norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
+02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled
+with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
 every build's cache key.
 """
@@ -38,6 +39,7 @@ CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 SOURCE = CSRC_CPU / "paged_decode_attention.c"
 GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
 NORM_ACTIVATION_SOURCE = CSRC_CPU / "norm_activation.c"
+TOKEN_BITMASK_SOURCE = CSRC_CPU / "token_bitmask.c"
 # Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
 # -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
 # -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
@@ -149,13 +151,18 @@ _SIGNATURES = {
         # x, ldx, out, ldo, rows, d
         "kl_silu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64], None),
     },
+    "token_bitmask": {
+        # logits, elem_bytes, neg_inf_bits, row_stride, col_stride, vocab, bitmask, mask_stride, rows, n_masks
+        "kl_apply_token_bitmask": ([_ptr, _int, ctypes.c_uint32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64],
+                                   ctypes.c_int),
+    },
 }
 
 
 def _source(name: str) -> Path:
     # Read at call time, so a test can point SOURCE at another file.
     return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE,
-            "norm_activation": NORM_ACTIVATION_SOURCE}[name]
+            "norm_activation": NORM_ACTIVATION_SOURCE, "token_bitmask": TOKEN_BITMASK_SOURCE}[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,8 +186,8 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
 
 
 def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The built library `name` (paged_decode_attention, gguf_linear or norm_activation), or None (disabled by
-    KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
+    """The built library `name` (paged_decode_attention, gguf_linear, norm_activation or token_bitmask), or
+    None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
     return _load(name, tuple(extra_flags)) if enabled() else None
 
 
@@ -281,6 +288,28 @@ def silu_and_mul_cpu(x, out) -> bool:
     lib.kl_silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0],
                             out2.shape[1])
     return True
+
+
+# the bit pattern of -inf in each logits dtype the bitmask kernel writes
+_NEG_INF_BITS = {torch.float32: 0xFF800000, torch.float16: 0xFC00, torch.bfloat16: 0xFF80}
+
+
+def apply_token_bitmask_cpu(logits, bitmask, rows) -> bool:
+    """logits[rows[i], j] = -inf where bit j of bitmask[i] is 0, in place, by the C kernel; False (nothing
+    written) means: use the reference. Inputs are assumed validated (`token_bitmask._validate`, row numbers
+    in range): CPU logits [B, V] fp32/fp16/bf16 with any strides, int32 bitmask rows with unit stride,
+    `rows` an int64 tensor of bitmask.shape[0] row numbers or None (bitmask row i masks logits row i)."""
+    if logits.dtype not in _NEG_INF_BITS or not logits.is_cpu:
+        return False
+    lib = load_library("token_bitmask")
+    if lib is None:
+        return False
+    rows = None if rows is None else rows.to(torch.int64).contiguous()  # kept alive for the call
+    status = lib.kl_apply_token_bitmask(
+        logits.data_ptr(), logits.element_size(), _NEG_INF_BITS[logits.dtype], logits.stride(0), logits.stride(1),
+        logits.shape[1], bitmask.data_ptr(), bitmask.stride(0), 0 if rows is None else rows.data_ptr(),
+        bitmask.shape[0])
+    return status == 0
 
 
 def main() -> None:

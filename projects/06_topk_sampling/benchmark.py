@@ -1,5 +1,6 @@
 """Project 06 benchmark: sample() and topk() vs the PyTorch path (torch.topk / torch.sort + softmax +
-torch.multinomial) and, when importable, FlashInfer's sampling kernels.
+torch.multinomial) and, when importable, FlashInfer's sampling kernels; apply_token_bitmask() vs xgrammar's
+apply_token_bitmask_inplace (its Triton kernel on the GPU) when importable, else our PyTorch reference.
 
     python projects/06_topk_sampling/benchmark.py [--quick] [--out results]
 
@@ -7,6 +8,12 @@ Bytes counted per call: the logits read once (batch * vocab * b). "% ceil" compa
 the copy bandwidth measured on the same device (which counts read + write), so a single streaming pass
 can approach 100%. Every case is timed as CUDA-graph replays (20 calls per graph, inputs rotated so they
 do not stay in L2): a decode step runs sampling inside its graph, so CPU launch cost is not part of it.
+
+Token bitmask bytes per call: the mask read (rows * ceil(vocab / 32) * 4) plus one pass over the masked
+rows' logits (rows * vocab * b). Our kernel never reads the logits and writes only the disallowed half
+(random bits, density 0.5), but a partly written 32-byte sector still costs a full sector of DRAM traffic,
+so one full pass is the honest count (xgrammar's Triton kernel moves the same bytes: masked -inf stores).
+Half the batch's rows carry a mask (the `rows` index), as in a batch mixing structured and plain requests.
 
 Logits are bf16, randn * 2 (a softened LLM-like spread; with top_p = 0.9 alone the nucleus holds thousands
 of tokens, which is the rejection path's hard case: it needs one extra pass per accepted proposal).
@@ -23,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
-from kernel_lab.ops import sample, topk  # noqa: E402
+from kernel_lab.ops import apply_token_bitmask, sample, topk  # noqa: E402
+from kernel_lab.ops.token_bitmask import apply_token_bitmask_reference, bitmask_words  # noqa: E402
 
 PROJECT = "06_topk_sampling"
 VOCABS = {"32K": 32000, "128K": 131072, "152K": 151936, "256K": 262144}
@@ -70,6 +78,46 @@ def _flashinfer():
         return fs.sampling_from_probs(probs)
 
     return run
+
+
+def _bitmask_baseline(device: torch.device):
+    """(name, fn(logits, full_bitmask, rows_list)): xgrammar's in-place op when importable (its Triton kernel
+    on CUDA), else our PyTorch reference."""
+    try:
+        import xgrammar
+    except Exception:  # noqa: BLE001 - optional baseline
+        return "torch reference", lambda x, full, mask, rows, rows_list: apply_token_bitmask_reference(x, mask, rows)
+    backend = "triton" if device.type == "cuda" else "cpu"
+    return f"xgrammar {backend}", lambda x, full, mask, rows, rows_list: xgrammar.apply_token_bitmask_inplace(
+        x, full, indices=rows_list, backend=backend)
+
+
+def bitmask_record(device: torch.device, vocabs, batches) -> ResultRecord:
+    baseline, run_baseline = _bitmask_baseline(device)
+    record = ResultRecord(PROJECT, "token_bitmask", device,
+                          "apply_token_bitmask(): bf16 logits, half the rows masked (random bits, density 0.5); "
+                          "bytes = mask read + one pass over the masked rows' logits; baseline " + baseline)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for vname, vocab in vocabs:
+        for batch in batches:
+            n = max(1, batch // 2)
+            rows_list = list(range(0, batch, 2))[:n]
+            rows = torch.tensor(rows_list, device=device)
+            mask = torch.randint(-2**31, 2**31 - 1, (n, bitmask_words(vocab)), generator=gen, dtype=torch.int32)
+            full = torch.full((batch, mask.shape[1]), -1, dtype=torch.int32)
+            full[rows_list] = mask
+            mask, full = mask.to(device), full.to(device)
+            nbytes = n * (mask.shape[1] * 4 + vocab * 2)
+            sets = inputs_for_rotation(nbytes) if device.type == "cuda" else 1
+            xs = [(torch.randn(batch, vocab, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(sets)]
+            label = f"batch={batch} masked={n} vocab={vname}"
+            t_ours = timed([lambda x=x: apply_token_bitmask(x, mask, rows, validate=False) for x in xs], device,
+                           f"kernel_lab.apply_token_bitmask {label}")
+            t_base = timed([lambda x=x: run_baseline(x, full, mask, rows, rows_list) for x in xs], device,
+                           f"{baseline} {label}")
+            record.add_case(f"token_bitmask {label}", shape={"batch": batch, "masked_rows": n, "vocab": vocab},
+                            dtype="bf16", timing=t_ours, nbytes=nbytes, baselines={baseline: t_base})
+    return record
 
 
 def timed(fns, device, label):
@@ -146,7 +194,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
             f"{min(c['speedup']['torch'] for c in target):.1f}x the PyTorch path at worst (target >= 5x)",
             percent_of_ceiling=worst["percent_of_ceiling"], speedup=min(c["speedup"]["torch"] for c in target),
             baseline="torch")
-    records = [sampling] + ([top] if top.record["cases"] else [])
+    bitmask_batches = [b for b in batches if b > 1] or batches
+    records = [sampling] + ([top] if top.record["cases"] else []) + [bitmask_record(device, vocabs, bitmask_batches)]
     for rec in records:
         rec.emit(out)
     return records
