@@ -92,6 +92,12 @@ def test_splitk_plan_covers_k_without_empty_splits():
     assert gemm.splitk_plan(1, 28672, 4096, 264)[0] == 1, "enough N tiles: no split, no reduction"
 
 
+def test_bytes_moved_adds_the_partials_only_when_split():
+    assert gemm.bytes_moved(16, 1536, 8960, 2) == (16 * 8960 + 8960 * 1536 + 16 * 1536) * 2
+    assert gemm.bytes_moved(16, 1536, 8960, 2, splits=14) - gemm.bytes_moved(16, 1536, 8960, 2) == 2 * 14 * 16 * 1536 * 4
+    assert gemm.bytes_moved(1, 64, 64, 2, splits=1) == gemm.bytes_moved(1, 64, 64, 2)
+
+
 def test_splitk_configs_fit_an_sm89_block():
     """Operand buffers of every split-K config (stages * (BM*BK + BK*BN) * 2 bytes, an upper bound on what
     Triton allocates) fit the 101,376 B of shared memory an L4 block may use, so no config needs a filter."""
