@@ -143,6 +143,11 @@ def test_route_and_align_kernel_ties_and_unreachable_experts(device):
     assert ids4[1].tolist() == [1, 3, 4, 0], "probability-0 experts are taken in id order, never twice"
 
 
+def test_bytes_moved_counts_the_used_experts_weights_once():
+    # Mixtral, one token, top-2: two experts' gate/up and down weights (352 MB each) plus x and the output
+    assert moe_module.bytes_moved(1, 4096, 14336, 2, 2) == 2 * 3 * 4096 * 14336 * 2 + 2 * 4096 * 2
+
+
 def test_decode_grid_does_not_scale_with_experts():
     for E in (8, 64, 256):
         assert max_row_blocks(2, E, 16) == 2  # one token, top-2: two row blocks whatever E is
@@ -362,6 +367,33 @@ def test_gpu_model_shapes(tokens, E, H, I, dtype):
     # and a subsample against the independent float64 loop (the fp32 reference is the op's own)
     rows = sorted({0, tokens // 2, tokens - 1})
     assert_close(y[rows], reference64(x[rows], wgu, wd, logits[rows]), dtype, scale=3.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, E, H, I", [(16, 8, 4096, 14336), (2048, 8, 1024, 2816), (333, 64, 2048, 768)])
+@pytest.mark.parametrize("gpu_design", DESIGNS[1:], ids=["routing-kernel", "grouped"])
+def test_gpu_new_designs_match_the_default(tokens, E, H, I, gpu_design):
+    x, wgu, wd, logits = make_inputs(tokens, E, H, I, torch.bfloat16, "cuda", case_seed("gpu-d", tokens, E))
+    y = moe(x, wgu, wd, logits, **gpu_design)
+    assert_close(y, reference32(x, wgu, wd, logits), torch.bfloat16, scale=3.0)
+    weights, ids, al = route_and_align(logits, 2, True, E, 16)
+    ref_ids = route(logits, 2, True)[1]
+    assert torch.equal(ids.long(), ref_ids) and torch.equal(al.sorted_ids, align(ref_ids, E, 16).sorted_ids)
+
+
+@pytest.mark.gpu
+def test_gpu_routing_kernel_under_cuda_graph():
+    x, wgu, wd, logits = make_inputs(4, 8, 1024, 2048, torch.bfloat16, "cuda", 55)
+    out = torch.empty_like(x)
+    out.copy_(moe(x, wgu, wd, logits, routing="kernel"))  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(moe(x, wgu, wd, logits, routing="kernel"))
+    logits.copy_(make_inputs(4, 8, 1024, 2048, torch.bfloat16, "cuda", 56)[3])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference32(x, wgu, wd, logits), torch.bfloat16, scale=2.0)
 
 
 @pytest.mark.gpu
