@@ -89,7 +89,7 @@ def _rms_norm_multirow_kernel(
 ):
     # ROWS_PER_PROGRAM consecutive rows, one after another, on few threads per row (launch_config_multirow):
     # each thread keeps its whole share of a row in registers from the load to the normalising store, and
-    # the weight row, re-read for every row, is served from this SM's L1.
+    # the weight row, re-read for every row, should hit in this SM's L1.
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     first = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
