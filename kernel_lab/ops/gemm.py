@@ -3,7 +3,7 @@
     C[M, N] = A[M, K] @ B[K, N]       fp16 or bf16 inputs, fp32 accumulation, C in the input dtype
 
 Any strides are accepted: `matmul(x, w.t())` reads an [N, K] weight in place. The traffic model and the
-three Triton kernels (tiled, persistent, TMA): projects/03_gemm/README.md.
+Triton kernels (tiled, persistent, TMA, and split-K for decode-sized M): projects/03_gemm/README.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton.language as tl
 from .common import HALF_DTYPES, check_same_device, check_tensor, interpreter_active, use_triton
 
 BACKENDS = ("triton", "cute")
-VARIANTS = ("auto", "tiled", "persistent", "tma")
+VARIANTS = ("auto", "tiled", "persistent", "tma", "splitk")
 
 try:  # host-side TMA descriptors: triton >= 3.4 (present in 3.6 and 3.9)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -116,6 +116,46 @@ def _matmul_persistent_kernel(
 
 
 @triton.jit
+def _matmul_splitk_kernel(
+    a_ptr, b_ptr, ws_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_ws, stride_wm, stride_wn,
+    K_PER_SPLIT, M_BUCKET, LAYOUT,  # the last two: autotune keys only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Program (tile, split) accumulates K range [split * K_PER_SPLIT, +K_PER_SPLIT) of one output tile and
+    # stores it at ws[split]: fp32 partials reduced by _splitk_reduce_kernel, or C itself (cast on store)
+    # when there is a single split. The K mask of the tile loop clips the range, so K_PER_SPLIT need not be
+    # a multiple of BLOCK_K (the host makes it one of 128, so every split starts 16-byte aligned).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    split = tl.program_id(1)
+    k_start = split.to(tl.int64) * K_PER_SPLIT
+    k_len = tl.minimum(K - k_start, K_PER_SPLIT)
+    acc = _tile_accumulate(a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, M, N, k_len,
+                           stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    _store_tile(ws_ptr + split.to(tl.int64) * stride_ws, acc, M, N, stride_wm, stride_wn, pid_m, pid_n,
+                BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, c_ptr, N, SPLITS, stride_ws, stride_cm, stride_cn, BLOCK: tl.constexpr):
+    # The second pass: C[m, n] = sum over splits of ws[split, m, n], in split order (deterministic: the
+    # same inputs give the same bits on every run, unlike an atomic-add reduction).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    src = ws_ptr + row * N + cols
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for _ in range(SPLITS):
+        acc += tl.load(src, mask=mask, other=0.0)
+        src += stride_ws
+    tl.store(c_ptr + row * stride_cm + cols * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _matmul_tma_kernel(
     a_desc, b_desc, c_desc, M, N, K,
     M_BUCKET, LAYOUT,  # autotune keys only
@@ -161,6 +201,17 @@ _SMALL_M = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32,
             (16, 32, 256, 4, 2), (64, 64, 64, 4, 4)]
 _TMA = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
         (128, 64, 64, 4, 4)]
+# Split-K for decode-sized M (the `splitk` variant): the grid is N-tiles x splits, so tile shapes no longer
+# have to buy parallelism and can be chosen for the weight stream alone: narrow N tiles with long K steps
+# and deep pipelines. Every entry keeps stages * (BM*BK + BK*BN) * 2 bytes of operand buffers within the
+# 101,376 B an sm_89 block may use (a test checks the list), and all of them are timed when autotuning:
+# the space follows the Triton persistent-matmul tutorial's (tile x BLOCK_K x stages x warps) at decode size.
+_SPLIT_K = [(16, 64, 128, 4, 4), (16, 32, 256, 4, 2), (16, 64, 256, 2, 4), (16, 128, 64, 4, 4),
+            (16, 64, 64, 6, 4), (16, 32, 128, 5, 2), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+            (32, 32, 128, 5, 2), (16, 128, 128, 2, 8)]
+SPLIT_K_SMEM_LIMIT = 101376
+SPLIT_K_GRANULE = 128  # every split's K range is a multiple of this (16-byte aligned starts)
+SPLIT_K_MAX = 16
 # One small fixed config for the interpreter (every program costs ~2 ms there).
 INTERPRETER_CONFIG = (32, 32, 32, 1, 4)
 
@@ -194,6 +245,25 @@ def _prune_by_m(configs, named_args, **_):
     return (keep or configs)[:1]
 
 
+def _prune_splitk(configs, named_args, **_):
+    """Every split-K config is timed (the list is short and built for decode); M > 16 drops the 16-row
+    tiles, which would read the weight stream twice."""
+    keep = [c for c in configs if named_args["M"] <= 16 or c.kwargs["BLOCK_M"] >= 32] or configs
+    return keep if _autotune_enabled() else keep[:1]
+
+
+def splitk_plan(M: int, N: int, K: int, programs: int, granule: int = SPLIT_K_GRANULE) -> tuple[int, int]:
+    """(splits, K per split) so that about `programs` CTAs run (counting 64-column, 32-row tiles), each
+    split at least two granules of K long; splits 1 means no reduction pass."""
+    tiles = triton.cdiv(N, 64) * triton.cdiv(M, 32)
+    k_granules = triton.cdiv(K, granule)
+    splits = 1
+    while splits < SPLIT_K_MAX and tiles * splits < programs and k_granules >= 4 * splits:
+        splits *= 2
+    k_per_split = triton.cdiv(k_granules, splits) * granule
+    return triton.cdiv(K, k_per_split), k_per_split  # no empty split
+
+
 def _autotune_enabled() -> bool:
     """KERNEL_LAB_GEMM_AUTOTUNE=0 picks the first pruned config without timing (fast start-up)."""
     return os.environ.get("KERNEL_LAB_GEMM_AUTOTUNE", "1") != "0"
@@ -217,6 +287,10 @@ def _autotuned(kind: str):
         return triton.autotune(configs=_pointer_configs(), **common)(_matmul_persistent_kernel)
     if kind == "tma":
         return triton.autotune(configs=_tma_configs(), **common)(_matmul_tma_kernel)
+    if kind == "splitk":
+        return triton.autotune(configs=[_cfg(*c) for c in _SPLIT_K], key=_KEYS + ["K_PER_SPLIT"],
+                               do_bench=_bench_config,
+                               prune_configs_by={"early_config_prune": _prune_splitk})(_matmul_splitk_kernel)
     raise ValueError(kind)
 
 
@@ -309,6 +383,54 @@ def _launch_tma(a, b, c, upcast):
                                  B_TRANSPOSED=b_t, UPCAST=upcast, num_warps=warps, num_stages=stages)
 
 
+SPLIT_K_REDUCE_BLOCK = 256  # 2 warps x 4 fp32: one 16-byte load per thread and split, many CTAs at M = 1
+
+
+def splitk_shape(M: int, N: int, K: int, device: torch.device) -> tuple[int, int]:
+    """(splits, K per split) the `splitk` variant launches with on `device`."""
+    if device.type == "cuda":  # about two CTAs per SM
+        return splitk_plan(M, N, K, 2 * _num_sms(device.index if device.index is not None
+                                                  else torch.cuda.current_device()))
+    # interpreter: up to three splits of whole 32-wide K blocks, so every split boundary is exercised
+    bk = INTERPRETER_CONFIG[2]
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), 3) * bk
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def _launch_splitk(a, b, c, upcast):
+    M, K = a.shape
+    N = b.shape[1]
+    splits, k_per_split = splitk_shape(M, N, K, a.device)
+    if splits == 1:  # one K range: the partial is the result, stored straight into C
+        ws, ws_strides = c, (0, c.stride(0), c.stride(1))
+    else:
+        ws = torch.empty((splits, M, N), dtype=torch.float32, device=a.device)
+        ws_strides = ws.stride()
+    args = (a, b, ws, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *ws_strides, k_per_split,
+            _m_bucket(M), _layout_key(a, b))
+    if a.is_cuda:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), splits)
+
+        _autotuned("splitk")[grid](*args, UPCAST=upcast)
+    else:
+        bm, bn, bk, stages, warps = INTERPRETER_CONFIG
+        _matmul_splitk_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)](
+            *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, UPCAST=upcast, num_warps=warps,
+            num_stages=stages)
+    if splits > 1:
+        _splitk_reduce_kernel[(M, triton.cdiv(N, SPLIT_K_REDUCE_BLOCK))](
+            ws, c, N, splits, ws.stride(0), c.stride(0), c.stride(1), BLOCK=SPLIT_K_REDUCE_BLOCK, num_warps=2)
+
+
+def bytes_moved(M: int, N: int, K: int, element_size: int = 2, splits: int = 1) -> int:
+    """DRAM bytes one call must move at least: A and B read once, C written once; with `splits` > 1 the
+    fp32 partials are written once and read back once by the reduction. (Tiles re-read operands, but from
+    L2 when the raster order works.) The benchmark's GB/s and the README's estimates use this."""
+    partials = 2 * splits * M * N * 4 if splits > 1 else 0
+    return (M * K + K * N + M * N) * element_size + partials
+
+
 def choose_variant(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> str:
     """The Triton kernel `variant="auto"` runs: TMA + wgmma on sm_90 when the operands allow it and M
     fills a warpgroup tile, otherwise the autotuned tiled kernel."""
@@ -343,7 +465,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ba
     input dtype (in `out` when given).
 
     backend: "triton" or "cute" (CuTe DSL, CUDA only; CPU tensors take the reference path).
-    variant (Triton only): "auto", "tiled", "persistent" or "tma" (sm_90+ and TMA-compatible operands).
+    variant (Triton only): "auto", "tiled", "persistent", "tma" (sm_90+ and TMA-compatible operands) or
+    "splitk" (K split over several CTAs and reduced in a second pass; built for decode-sized M).
     Follows the dispatch rule in common.py: CUDA runs the kernel, CPU the reference unless TRITON_INTERPRET=1.
     """
     _validate(a, b, out, backend, variant)
@@ -376,6 +499,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ba
             raise ValueError("variant='tma' needs 16-byte-aligned operands with one unit stride each and a "
                              "row-major out")
         _launch_tma(a, b, result, upcast)
+    elif variant == "splitk":
+        _launch_splitk(a, b, result, upcast)
     else:
         _launch_pointer(variant, a, b, result, upcast)
     return result
@@ -413,6 +538,27 @@ def compile_specs():
         pointer_spec(_matmul_persistent_kernel, "matmul_persistent", "bf16", "nt", _LARGE[3],
                      NUM_PROGRAMS=132),
     ]
+    # split-K: the first config (what runs without autotuning) and the widest-K one, partials in fp32
+    for layout, config in (("nt", _SPLIT_K[0]), ("nn", _SPLIT_K[1])):
+        bm, bn, bk, stages, warps = config
+        unit = unit_strides[layout]
+        splitk_ints = [k for k in ints if k not in unit and k not in ("stride_cm", "stride_cn")]
+        sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "ws_ptr": "*fp32", **{k: "i32" for k in splitk_ints},
+               "stride_ws": "i32", "stride_wm": "i32", "K_PER_SPLIT": "i32"}
+        specs.append(CompileSpec(
+            name=f"matmul_splitk_bf16_{layout}_{bm}x{bn}x{bk}", kernel=_matmul_splitk_kernel,
+            signature={n: sig[n] for n in _matmul_splitk_kernel.arg_names if n in sig},
+            constexprs={**{k: 1 for k in unit if k != "stride_cn"}, "stride_wn": 1, "BLOCK_M": bm, "BLOCK_N": bn,
+                        "BLOCK_K": bk, "GROUP_M": 8, "UPCAST": False},
+            num_warps=warps, num_stages=stages,
+            aligned=tuple(x for x in aligned if x not in unit and x not in ("c_ptr", "stride_cm"))
+            + ("ws_ptr", "stride_ws", "stride_wm", "K_PER_SPLIT")))
+    specs.append(CompileSpec(
+        name="splitk_reduce_bf16", kernel=_splitk_reduce_kernel,
+        signature={"ws_ptr": "*fp32", "c_ptr": "*bf16", "N": "i32", "SPLITS": "i32", "stride_ws": "i32",
+                   "stride_cm": "i32"},
+        constexprs={"stride_cn": 1, "BLOCK": SPLIT_K_REDUCE_BLOCK}, num_warps=2,
+        aligned=("ws_ptr", "c_ptr", "N", "stride_ws", "stride_cm")))
     if TensorDescriptor is not None:
         for dtype, b_t, (bm, bn, bk, stages, warps) in (("bf16", True, _TMA[0]), ("fp16", False, _TMA[2])):
             b_block = (bn, bk) if b_t else (bk, bn)

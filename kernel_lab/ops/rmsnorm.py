@@ -16,6 +16,11 @@ from .common import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, 
 
 FUSED_MAX_H = 16384  # above this the looped kernel is used; see compile tests for the spill-free proof
 LOOP_CHUNK = 4096
+VARIANTS = ("auto", "multirow")  # auto: one row per program (looped above FUSED_MAX_H)
+MULTIROW_ELEMENTS = 64  # elements of a row per thread in the multirow kernel
+MULTIROW_ROWS = 4  # rows per program, at most
+MULTIROW_SPREAD = 1024  # a program takes one more row per this many rows (up to MULTIROW_ROWS)
+MULTIROW_MAX_H = 32768  # up to here the multirow kernel keeps the row in registers; above, the looped one runs
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -47,14 +52,9 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _rms_norm_row_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
+def _normalize_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, cols, mask,
+                   H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps,
+                   HAS_RESIDUAL: tl.constexpr):
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     # Issued before the reduction so its latency hides behind the cross-warp sum.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -68,6 +68,36 @@ def _rms_norm_row_kernel(
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
     tl.store(out_ptr + row * out_row_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_row_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK)
+    _normalize_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, tl.program_id(0).to(tl.int64), cols, cols < H,
+                   H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps, HAS_RESIDUAL)
+
+
+@triton.jit
+def _rms_norm_multirow_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rows, H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps, ROWS_PER_PROGRAM,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    # ROWS_PER_PROGRAM consecutive rows, one after another, on few threads per row (launch_config_multirow):
+    # each thread keeps its whole share of a row in registers from the load to the normalising store, and
+    # the weight row, re-read for every row, should hit in this SM's L1.
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    first = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
+    for i in range(ROWS_PER_PROGRAM):
+        row = first + i
+        if row < rows:
+            _normalize_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, row, cols, mask,
+                           H, x_row_stride, res_row_stride, out_row_stride, res_out_row_stride, eps, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -116,12 +146,44 @@ def launch_config(H: int) -> tuple[bool, int, int]:
     return False, block, num_warps
 
 
-def _launch(x2, res2, weight, out2, res_out2, eps: float) -> None:
+def bytes_moved(rows: int, H: int, element_size: int, residual: bool = False,
+                weight_element_size: int | None = None) -> int:
+    """DRAM bytes one call must move: rms_norm reads x and writes y; fused_add_rms_norm also reads the
+    residual and writes the new one. The weight row is counted once (it stays in L2/L1 across rows). A
+    kernel that re-reads the row (the looped one) moves more than this; GB/s are quoted against it."""
+    streams = 4 if residual else 2
+    return streams * rows * H * element_size + H * (weight_element_size or element_size)
+
+
+def launch_config_multirow(rows: int, H: int) -> tuple[int, int, int]:
+    """(block, num_warps, rows per program) of the multirow kernel, for H <= MULTIROW_MAX_H.
+
+    Few threads per row, as QuACK's Hopper configuration has (32/64/128 threads for rows up to 3K/6K/16K):
+    each thread holds MULTIROW_ELEMENTS of a row (eight 16-byte vectors in bf16), so a row takes
+    H / 64 threads (128 at H = 8192, 512 at 32768), the per-row reduction crosses few warps, and registers
+    stay low enough for several CTAs per SM. A program then walks up to MULTIROW_ROWS rows; below
+    MULTIROW_ROWS * MULTIROW_SPREAD rows it takes fewer, so small batches still spread over the SMs.
+    """
+    block = triton.next_power_of_2(H)
+    num_warps = max(1, min(16, block // (32 * MULTIROW_ELEMENTS)))
+    rows_per_program = max(1, min(MULTIROW_ROWS, rows // MULTIROW_SPREAD))
+    return block, num_warps, rows_per_program
+
+
+def _launch(x2, res2, weight, out2, res_out2, eps: float, variant: str = "auto") -> None:
     rows, H = x2.shape
     if rows == 0:
         return
-    looped, block, num_warps = launch_config(H)
     has_res = res2 is not None
+    if variant == "multirow" and H <= MULTIROW_MAX_H:
+        block, num_warps, per_program = launch_config_multirow(rows, H)
+        _rms_norm_multirow_kernel[(triton.cdiv(rows, per_program),)](
+            x2, res2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
+            rows, H, x2.stride(0), res2.stride(0) if has_res else 0, out2.stride(0),
+            res_out2.stride(0) if has_res else 0, eps, per_program,
+            BLOCK=block, HAS_RESIDUAL=has_res, num_warps=num_warps)
+        return
+    looped, block, num_warps = launch_config(H)
     args = (
         x2, res2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
         H, x2.stride(0), res2.stride(0) if has_res else 0, out2.stride(0),
@@ -134,7 +196,9 @@ def _launch(x2, res2, weight, out2, res_out2, eps: float) -> None:
 
 
 # --------------------------------------------------------------------------------------------- public ops
-def _validate(x, weight, eps, residual=None):
+def _validate(x, weight, eps, residual=None, variant="auto"):
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=1)
     if x.shape[-1] < 1:
@@ -159,9 +223,12 @@ def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     return view if view is not None else t.reshape(-1, t.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension. x: [..., H] fp16/bf16/fp32; weight: [H]. Returns x's dtype."""
-    _validate(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None, *,
+             variant: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dimension. x: [..., H] fp16/bf16/fp32; weight: [H]. Returns x's dtype.
+    variant (Triton only): "auto" (one row per program) or "multirow" (several rows per program on fewer
+    threads per row; H > MULTIROW_MAX_H takes the looped kernel either way)."""
+    _validate(x, weight, eps, variant=variant)
     if out is not None:
         check_tensor("out", out, dtypes=(x.dtype,))
         if out.shape != x.shape or out.device != x.device:
@@ -176,23 +243,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torc
     out2 = rows_view(result)
     if out2 is None:  # caller's out has unmergeable leading strides: compute into a temporary
         tmp = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        _launch(x2, None, weight, tmp, None, float(eps))
+        _launch(x2, None, weight, tmp, None, float(eps), variant)
         return result.copy_(tmp.view(x.shape))
-    _launch(x2, None, weight, out2, None, float(eps))
+    _launch(x2, None, weight, out2, None, float(eps), variant)
     return result
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, variant: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype."""
-    _validate(x, weight, eps, residual)
+    """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype. `variant` as in
+    rms_norm."""
+    _validate(x, weight, eps, residual, variant)
     if not use_triton(x):
         return _rms_norm_cpu(x, weight, eps, residual)
     x2, r2 = _as_rows("x", x), _as_rows("residual", residual)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, r2, weight, normed.view(-1, x.shape[-1]), new_residual.view(-1, x.shape[-1]), float(eps))
+    _launch(x2, r2, weight, normed.view(-1, x.shape[-1]), new_residual.view(-1, x.shape[-1]), float(eps),
+            variant)
     return normed, new_residual
 
 
@@ -213,6 +282,17 @@ def compile_specs():
         specs.append(CompileSpec(
             name=f"rms_norm_row_{dtype}_h{H}" + ("_residual" if residual else ""), kernel=_rms_norm_row_kernel,
             signature=sig, constexprs={"BLOCK": block, "HAS_RESIDUAL": residual}, num_warps=warps, aligned=aligned,
+        ))
+    for dtype, ty, H, residual in [("bf16", "*bf16", 8192, False), ("fp16", "*fp16", 8192, True),
+                                   ("fp32", "*fp32", 4096, False), ("bf16", "*bf16", MULTIROW_MAX_H, True)]:
+        block, warps, _ = launch_config_multirow(8192, H)
+        sig = {"x_ptr": ty, "res_ptr": ty, "w_ptr": ty, "out_ptr": ty, "res_out_ptr": ty, "rows": "i32", **base,
+               "ROWS_PER_PROGRAM": "i32"}
+        specs.append(CompileSpec(
+            name=f"rms_norm_multirow_{dtype}_h{H}" + ("_residual" if residual else ""),
+            kernel=_rms_norm_multirow_kernel, signature={n: sig[n] for n in _rms_norm_multirow_kernel.arg_names
+                                                         if n in sig},
+            constexprs={"BLOCK": block, "HAS_RESIDUAL": residual}, num_warps=warps, aligned=aligned,
         ))
     for residual in (False, True):
         sig = {name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")} | base

@@ -2,9 +2,10 @@
 
     python projects/01_rmsnorm/benchmark.py [--quick] [--out results]
 
-Bytes moved per call: rms_norm reads x and writes y (2 * rows * H * b, plus H weight bytes);
-fused_add_rms_norm reads x and residual and writes normed and the new residual (4 * rows * H * b).
-GB/s is reported against the copy bandwidth measured on the same device.
+Both kernel designs run in the same table: the one-row-per-program kernel ("kernel_lab", the default) and
+the multirow kernel ("kernel_lab multirow"). Bytes per call come from kernel_lab.ops.rmsnorm.bytes_moved (x
+read, y written, the fused op's residual read and written, the weight row once); GB/s is reported against
+the copy bandwidth measured on the same device.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernel_lab.ops.rmsnorm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from kernel_lab.ops.rmsnorm import bytes_moved, fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 
 PROJECT = "01_rmsnorm"
+VARIANT_TAGS = (("auto", ""), ("multirow", " multirow"))  # (variant=, case-name tag); "" keeps the old names
 
 
 def _liger():
@@ -36,7 +38,7 @@ def _liger():
 def sweep(device: torch.device, quick: bool):
     if device.type != "cuda":
         return [(4, 1024)], [1, 4]
-    hidden = [4096, 8192] if quick else [1024, 2048, 4096, 5120, 8192, 16384]
+    hidden = [4096, 8192] if quick else [1024, 2048, 4096, 5120, 8192, 16384, 32768]
     rows = [1024, 8192, 32768] if quick else [1, 16, 256, 1024, 4096, 8192, 16384, 32768]
     return [(r, h) for h in hidden for r in rows], ([1, 4, 16] if quick else [1, 2, 4, 8, 16])
 
@@ -47,44 +49,52 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     compiled = torch.compile(rms_norm_reference) if device.type == "cuda" else None
     compiled_fused = torch.compile(fused_add_rms_norm_reference) if device.type == "cuda" else None
     liger = _liger() if device.type == "cuda" else None
+    dname = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float16", "fp16")
     bw = ResultRecord(PROJECT, "rmsnorm bandwidth", device,
-                      "rms_norm and fused_add_rms_norm, bf16, one row per program; GB/s = bytes read + written")
+                      f"rms_norm and fused_add_rms_norm, {dname}: the one-row kernel and the multirow kernel; "
+                      "GB/s = rmsnorm.bytes_moved (bytes read + written) over the median time")
     for rows, H in shapes:
-        b = torch.finfo(dtype).bits // 8
+        b = dtype.itemsize
         w = torch.randn(H, device=device, dtype=dtype)
-        n_sets = inputs_for_rotation(2 * rows * H * b)
+        n_sets = inputs_for_rotation(bytes_moved(rows, H, b))
         xs = [torch.randn(rows, H, device=device, dtype=dtype) for _ in range(n_sets)]
         rs = [torch.randn(rows, H, device=device, dtype=dtype) for _ in range(n_sets)]
-        nbytes = 2 * rows * H * b + H * b
+        pairs = list(zip(xs, rs))
+        shape = {"rows": rows, "H": H}
 
         def timed(f, tag):
             return benchmark([lambda x=x: f(x) for x in xs], device=device, name=f"{tag} rows={rows} H={H}")
 
-        t_ours = timed(lambda x: rms_norm(x, w, eps), "kernel_lab.rms_norm")
+        def timed_pairs(f, tag):
+            return benchmark([lambda p=p: f(*p) for p in pairs], device=device, name=f"{tag} rows={rows} H={H}")
+
         baselines = {"torch eager": timed(lambda x: rms_norm_reference(x, w, eps), "eager")}
         if compiled is not None:
             baselines["torch.compile"] = timed(lambda x: compiled(x, w, eps), "compile")
         if liger is not None:
             baselines["liger"] = timed(lambda x: liger(x, w, eps), "liger")
-        bw.add_case(f"rms_norm rows={rows} H={H}", shape={"rows": rows, "H": H}, dtype="bf16", timing=t_ours,
-                    nbytes=nbytes, baselines=baselines)
-
-        pairs = list(zip(xs, rs))
-        t_fused = benchmark([lambda p=p: fused_add_rms_norm(p[0], p[1], w, eps) for p in pairs], device=device,
-                            name=f"fused rows={rows} H={H}")
-        fb = {"torch eager": benchmark([lambda p=p: fused_add_rms_norm_reference(p[0], p[1], w, eps) for p in pairs],
-                                       device=device)}
+        fused_baselines = {"torch eager": timed_pairs(lambda x, r: fused_add_rms_norm_reference(x, r, w, eps), "eager")}
         if compiled_fused is not None:
-            fb["torch.compile"] = benchmark([lambda p=p: compiled_fused(p[0], p[1], w, eps) for p in pairs],
-                                            device=device)
-        bw.add_case(f"fused_add_rms_norm rows={rows} H={H}", shape={"rows": rows, "H": H}, dtype="bf16",
-                    timing=t_fused, nbytes=2 * nbytes - 2 * H * b + H * b, baselines=fb)
-    cases = [c for c in bw.record["cases"] if c["name"].startswith("rms_norm") and c["shape"]["rows"] >= 8192
+            fused_baselines["torch.compile"] = timed_pairs(lambda x, r: compiled_fused(x, r, w, eps), "compile")
+        for variant, tag in VARIANT_TAGS:
+            t = timed(lambda x, v=variant: rms_norm(x, w, eps, variant=v), f"{tag} rms_norm")
+            bw.add_case(f"rms_norm{tag} rows={rows} H={H}", shape=shape, dtype=dname, timing=t,
+                        nbytes=bytes_moved(rows, H, b), baselines=baselines, extra={"variant": variant})
+            t = timed_pairs(lambda x, r, v=variant: fused_add_rms_norm(x, r, w, eps, variant=v), f"{tag} fused")
+            bw.add_case(f"fused_add_rms_norm{tag} rows={rows} H={H}", shape=shape, dtype=dname, timing=t,
+                        nbytes=bytes_moved(rows, H, b, residual=True), baselines=fused_baselines,
+                        extra={"variant": variant})
+    cases = [c for c in bw.record["cases"] if c["name"].startswith("rms_norm rows") and c["shape"]["rows"] >= 8192
              and c["shape"]["H"] in (4096, 8192)]
     if cases:
         worst = min(cases, key=lambda c: c["percent_of_ceiling"])
-        bw.set_headline(f"rms_norm bf16, >=8K rows, H=4096/8192: worst case {worst['percent_of_ceiling']:.1f}% of "
-                        "measured copy bandwidth", percent_of_ceiling=worst["percent_of_ceiling"],
+        multirow = [c for c in bw.record["cases"] if c["name"].startswith("rms_norm multirow")
+                    and c["shape"]["rows"] >= 8192 and c["shape"]["H"] in (4096, 8192)]
+        worst_multirow = min(multirow, key=lambda c: c["percent_of_ceiling"])
+        bw.set_headline(f"rms_norm {dname}, >=8K rows, H=4096/8192: worst case {worst['percent_of_ceiling']:.1f}% "
+                        f"of measured copy bandwidth (multirow kernel: {worst_multirow['percent_of_ceiling']:.1f}%)",
+                        percent_of_ceiling=worst["percent_of_ceiling"],
+                        multirow_percent_of_ceiling=worst_multirow["percent_of_ceiling"],
                         speedup=min(c["speedup"].get("torch.compile", 0) for c in cases), baseline="torch.compile")
 
     lat = ResultRecord(PROJECT, "rmsnorm small-batch latency", device,
@@ -99,8 +109,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
         base = {"torch eager": benchmark(lambda: rms_norm_reference(x, w, eps), device=device, cuda_graph=graph)}
         if compiled is not None:
             base["torch.compile"] = benchmark(lambda: compiled(x, w, eps), device=device, cuda_graph=graph)
-        lat.add_case(f"rms_norm rows={rows} H={H}", shape={"rows": rows, "H": H}, dtype="bf16", timing=t,
-                     nbytes=2 * rows * H * 2 + H * 2, baselines=base)
+        lat.add_case(f"rms_norm rows={rows} H={H}", shape={"rows": rows, "H": H}, dtype=dname, timing=t,
+                     nbytes=bytes_moved(rows, H, dtype.itemsize), baselines=base)
 
     for rec in (bw, lat):
         rec.emit(out)

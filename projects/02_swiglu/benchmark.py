@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import silu_and_mul  # noqa: E402
+from kernel_lab.ops.swiglu import bytes_moved  # noqa: E402
 
 PROJECT = "02_swiglu"
 # Intermediate sizes of real models: Qwen2.5-1.5B (8960), Llama-2-7B (11008), Llama-3-8B / Mistral-7B
@@ -68,13 +69,12 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     on_gpu = device.type == "cuda"
     compiled = _compiled() if on_gpu else None
     liger = _liger() if on_gpu else None
-    b = torch.finfo(dtype).bits // 8
     rec = ResultRecord(PROJECT, "swiglu bandwidth", device,
-                       "silu_and_mul on x = [gate | up], bf16; GB/s = bytes read + written "
-                       "(3 * tokens * d * b); small calls are timed as CUDA-graph replays by the harness")
+                       "silu_and_mul on x = [gate | up], bf16; GB/s = swiglu.bytes_moved (bytes read + written, "
+                       "3 * tokens * d * b); small calls are timed as CUDA-graph replays by the harness")
     with torch.no_grad():
         for tokens, d in sweep(device, quick):
-            nbytes = 3 * tokens * d * b
+            nbytes = bytes_moved(tokens, d, dtype.itemsize)
             sets = inputs_for_rotation(nbytes)
             xs = [torch.randn(tokens, 2 * d, device=device, dtype=dtype) for _ in range(sets)]
             outs = [torch.empty(tokens, d, device=device, dtype=dtype) for _ in xs]

@@ -13,7 +13,7 @@ from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
 from kernel_lab.harness.testing import assert_close, case_seed, poison, randn
 from kernel_lab.ops import silu_and_mul
 from kernel_lab.ops import swiglu as swiglu_module
-from kernel_lab.ops.swiglu import launch_config
+from kernel_lab.ops.swiglu import bytes_moved, launch_config
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -236,3 +236,7 @@ def test_gpu_under_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, reference64(x), torch.bfloat16)
+
+
+def test_bytes_moved_is_one_read_of_x_and_one_write_of_out():
+    assert bytes_moved(32768, 14336, 2) == 32768 * 2 * 14336 * 2 + 32768 * 14336 * 2

@@ -5,7 +5,9 @@
 Cases: square M = N = K from 512 to 8192, and the QKV, O, gate-up and down projections of Qwen2.5-1.5B and
 Llama-3-8B at M = 1, 16, 128 and 4096 tokens, with nn.Linear weights ([N, K], so B = W^T is read in place).
 FLOPs per call: 2*M*N*K. Each row reports TFLOP/s, % of the measured cuBLAS bf16 ceiling, and the ratio
-to cuBLAS on the same shape in the same run (x cuBLAS = cuBLAS time / our time; 1.00 = parity).
+to cuBLAS on the same shape in the same run (x cuBLAS = cuBLAS time / our time; 1.00 = parity). Decode-sized
+cases (M <= 32) are weight streams: they report GB/s and % of the measured copy bandwidth instead, with bytes
+from kernel_lab.ops.gemm.bytes_moved, and run the split-K kernel ("triton splitk") beside the default.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
-from kernel_lab.ops import matmul  # noqa: E402
+from kernel_lab.ops import gemm, matmul  # noqa: E402
 
 PROJECT = "03_gemm"
 CUBLAS = "cuBLAS (torch.matmul)"
+DECODE_MAX_M = 32  # up to here the split-K kernel runs beside the default and the metric is bandwidth
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype: torch.dtype =
     checked = passed = 0
     with torch.no_grad():
         for label, M, N, K in cases(device, quick):
-            nbytes = (M * K + N * K + M * N) * dtype.itemsize
-            sets = inputs_for_rotation(nbytes) if device.type == "cuda" else 1
+            sets = inputs_for_rotation(gemm.bytes_moved(M, N, K, dtype.itemsize)) if device.type == "cuda" else 1
             xs = [torch.randn(M, K, device=device, dtype=dtype) for _ in range(sets)]
             ws = [torch.randn(N, K, device=device, dtype=dtype) / K**0.5 for _ in range(sets)]
             outs = [torch.empty(M, N, device=device, dtype=dtype) for _ in range(sets)]
@@ -105,6 +107,9 @@ def run(device: torch.device, quick: bool, out: str | None, dtype: torch.dtype =
                                   for x, w, o in zip(xs, ws, outs, strict=True)], device=device,
                                  name=f"cublas {label}")
             runs = [("triton", "triton", "auto")]
+            decode = M <= DECODE_MAX_M
+            if decode:
+                runs.append(("triton splitk", "triton", "splitk"))
             if variants and device.type == "cuda" and label.startswith("square"):
                 runs += [("triton persistent", "triton", "persistent"), ("triton tiled", "triton", "tiled")]
             if not skip_cute:
@@ -123,16 +128,18 @@ def run(device: torch.device, quick: bool, out: str | None, dtype: torch.dtype =
                     print(f"[03_gemm] WRONG RESULT {tag} {label}: {exc}")
                 t = benchmark([lambda x=x, w=w, o=o, call=call: call(x, w, o)
                                for x, w, o in zip(xs, ws, outs, strict=True)], device=device, name=f"{tag} {label}")
-                rec.add_case(f"{tag} {label}", shape=shape, dtype=dname, timing=t, flops=flops,
+                splits = gemm.splitk_shape(M, N, K, device)[0] if variant == "splitk" else 1
+                traffic = {"nbytes": gemm.bytes_moved(M, N, K, dtype.itemsize, splits)} if decode else {"flops": flops}
+                rec.add_case(f"{tag} {label}", shape=shape, dtype=dname, timing=t, **traffic,
                              baselines={CUBLAS: t_cublas},
-                             extra={"backend": backend, "variant": variant,
+                             extra={"backend": backend, "variant": variant, "splits": splits, "flops": flops,
                                     "percent_of_cublas": 100.0 * t_cublas.median_ms / t.median_ms})
             del xs, ws, outs
     rec.set_correctness(passed, checked)
     _headline(rec, dname)
     print(rec.table())
     print("x cuBLAS = cuBLAS time / kernel time (1.00 = parity); % ceil = share of the measured cuBLAS "
-          "8192^3 bf16 TFLOP/s")
+          f"8192^3 bf16 TFLOP/s, or for M <= {DECODE_MAX_M} (GB/s rows) of the measured copy bandwidth")
     path = rec.write(out)
     if path:
         print(f"wrote {path}")
@@ -142,19 +149,21 @@ def run(device: torch.device, quick: bool, out: str | None, dtype: torch.dtype =
 def _headline(rec: ResultRecord, dname: str) -> None:
     cases_ = rec.record["cases"]
     parts, values = [], {}
-    for backend in ("triton", "cute"):
-        mine = [c for c in cases_ if c["name"].startswith(backend + " ")]
+    for backend, variant in (("triton", "auto"), ("cute", "auto"), ("triton", "splitk")):
+        mine = [c for c in cases_ if c["backend"] == backend and c["variant"] == variant]
+        label = backend if variant == "auto" else f"{backend} {variant}"
+        key = label.replace(" ", "_")
         if not mine:
             continue
         for n in (4096, 8192):
-            hit = [c for c in mine if c["name"] == f"{backend} square {n}"]
+            hit = [c for c in mine if c["name"] == f"{label} square {n}"]
             if hit:
                 pct = hit[0]["percent_of_cublas"]
-                parts.append(f"{backend} {n}^3 {pct:.0f}% of cuBLAS")
-                values[f"{backend}_{n}_percent_of_cublas"] = pct
+                parts.append(f"{label} {n}^3 {pct:.0f}% of cuBLAS")
+                values[f"{key}_{n}_percent_of_cublas"] = pct
         worst = min(mine, key=lambda c: c["percent_of_cublas"])
-        parts.append(f"{backend} worst {worst['percent_of_cublas']:.0f}% ({worst['name']})")
-        values[f"{backend}_worst_percent_of_cublas"] = worst["percent_of_cublas"]
+        parts.append(f"{label} worst {worst['percent_of_cublas']:.0f}% ({worst['name']})")
+        values[f"{key}_worst_percent_of_cublas"] = worst["percent_of_cublas"]
     if parts:
         rec.set_headline(f"gemm {dname}: " + "; ".join(parts), baseline=CUBLAS, **values)
 

@@ -68,18 +68,45 @@ def make_operands(M, N, K, dtype, device, layout, seed):
 
 
 # --------------------------------------------------------------------------------------------- Triton
+@pytest.mark.parametrize("variant", ["auto", "splitk"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "strided"])
-@pytest.mark.parametrize("M, N, K", [(1, 40, 33), (5, 17, 64), (33, 70, 45), (64, 96, 130)])
-def test_triton_matches_float64(M, N, K, layout, dtype, device):
+@pytest.mark.parametrize("M, N, K", [(1, 40, 33), (5, 17, 64), (33, 70, 45), (64, 96, 130), (3, 20, 24)])
+def test_triton_matches_float64(M, N, K, layout, dtype, variant, device):
+    # (3, 20, 24): one K block, so the split-K variant stores straight into C without a reduction pass;
+    # K = 130 splits into 64 + 64 + 2 under the interpreter (a split whose K range ends inside a block).
     a, b = make_operands(M, N, K, dtype, device, layout, case_seed("mm", M, N, K, layout, dtype))
     out = poison(torch.empty((M, N), dtype=dtype, device=device))
-    y = matmul(a, b, out=out)
+    y = matmul(a, b, out=out, variant=variant)
     assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
-    assert_close(y, reference64(a, b), dtype, scale=k_scale(K), msg=f"{layout} {M}x{N}x{K}")
+    assert_close(y, reference64(a, b), dtype, scale=k_scale(K), msg=f"{variant} {layout} {M}x{N}x{K}")
 
 
-@pytest.mark.parametrize("variant", ["tiled", "persistent", "tma"])
+def test_splitk_plan_covers_k_without_empty_splits():
+    for M, N, K, programs in [(1, 2048, 1536, 264), (16, 1536, 8960, 264), (1, 28672, 4096, 264),
+                              (32, 4096, 14336, 264), (1, 64, 100, 264), (7, 96, 130, 4)]:
+        splits, k_per_split = gemm.splitk_plan(M, N, K, programs)
+        assert 1 <= splits <= gemm.SPLIT_K_MAX and k_per_split % gemm.SPLIT_K_GRANULE == 0
+        assert (splits - 1) * k_per_split < K <= splits * k_per_split, (M, N, K, splits, k_per_split)
+    assert gemm.splitk_plan(16, 1536, 8960, 264)[0] > 8, "decode down-projection must fill the SMs"
+    assert gemm.splitk_plan(1, 28672, 4096, 264)[0] == 1, "enough N tiles: no split, no reduction"
+
+
+def test_bytes_moved_adds_the_partials_only_when_split():
+    assert gemm.bytes_moved(16, 1536, 8960, 2) == (16 * 8960 + 8960 * 1536 + 16 * 1536) * 2
+    assert gemm.bytes_moved(16, 1536, 8960, 2, splits=14) - gemm.bytes_moved(16, 1536, 8960, 2) == 2 * 14 * 16 * 1536 * 4
+    assert gemm.bytes_moved(1, 64, 64, 2, splits=1) == gemm.bytes_moved(1, 64, 64, 2)
+
+
+def test_splitk_configs_fit_an_sm89_block():
+    """Operand buffers of every split-K config (stages * (BM*BK + BK*BN) * 2 bytes, an upper bound on what
+    Triton allocates) fit the 101,376 B of shared memory an L4 block may use, so no config needs a filter."""
+    for bm, bn, bk, stages, _ in gemm._SPLIT_K:
+        assert stages * (bm * bk + bk * bn) * 2 <= gemm.SPLIT_K_SMEM_LIMIT, (bm, bn, bk, stages)
+    assert len(gemm._SPLIT_K) > 3
+
+
+@pytest.mark.parametrize("variant", ["tiled", "persistent", "tma", "splitk"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, N, K, layout", [(37, 48, 64, "nt"), (96, 40, 88, "nn"), (16, 72, 40, "tn")])
 def test_every_triton_variant(M, N, K, layout, variant, dtype, device):
@@ -261,15 +288,30 @@ def triton_compiled(compiled):
 
 def test_triton_compiles_without_spills(triton_compiled):
     names = check_no_spills(triton_compiled, targets=None)
-    assert {n.split("_")[1] for n in names} == {"tiled", "persistent", "tma"}
+    assert {n.split("_")[1] for n in names} == {"tiled", "persistent", "tma", "splitk", "reduce"}
     for name in names:  # the TMA kernel is sm_90-only; every other kernel builds for every target
         expected = {"sm_90a"} if "_tma_" in name else {"sm_80", "sm_89", "sm_90a"}
         assert {t for n, t in triton_compiled if n == name} == expected, name
 
 
+def test_splitk_sass_stores_fp32_partials_and_reduces_them_in_a_second_pass(triton_compiled):
+    """The split-K reduction is a second pass, not atomics: the tile kernel stores fp32 partials with
+    128-bit stores and never converts to bf16; the reduce kernel loads them 128 bits at a time and adds."""
+    for (name, target), result in triton_compiled.items():
+        sass = result["sass"]
+        if name.startswith("matmul_splitk"):
+            assert "STG.E.128" in sass and "F2FP" not in sass, (name, target)
+            assert not re.search(r"\b(RED|ATOM)\.", sass), (name, target)
+        elif name.startswith("splitk_reduce"):
+            assert "LDG.E.128" in sass and "FADD" in sass and "F2FP.BF16" in sass, (name, target)
+            assert not re.search(r"\b(RED|ATOM)\.", sass), (name, target)
+
+
 def test_triton_sass_uses_tensor_cores(triton_compiled):
     for (name, target), result in triton_compiled.items():
         sass = result["sass"]
+        if name.startswith("splitk_reduce"):
+            continue
         if target in ("sm_80", "sm_89"):
             assert re.search(r"\bHMMA\.16816\.F32", sass), (name, target)
             assert "LDGSTS" in sass, f"{name} {target}: no cp.async pipeline"
@@ -358,18 +400,22 @@ def test_gpu_transposed_and_strided_operands(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["tiled", "persistent", "tma"])
+@pytest.mark.parametrize("variant", ["tiled", "persistent", "tma", "splitk"])
 def test_gpu_triton_variants(variant):
     if variant == "tma" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA variant needs sm_90")
-    for M, N, K in ((2048, 2048, 2048), (1, 1536, 1536), (300, 520, 4096)):
+    for M, N, K in ((2048, 2048, 2048), (1, 1536, 1536), (300, 520, 4096), (16, 1536, 8960), (32, 4104, 4099)):
+        if variant != "splitk" and M in (16, 32):
+            continue
         a, b = make_operands(M, N, K, torch.bfloat16, "cuda", "nt", case_seed("gpu-v", M, N, K))
         y = matmul(a, b, variant=variant)
         assert_close(y, torch.matmul(a.float(), b.float()), torch.bfloat16, scale=k_scale(K), msg=variant)
+        if variant == "splitk":  # the second-pass reduction sums in split order: the same bits every run
+            assert torch.equal(matmul(a, b, variant=variant), y)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["tiled", "tma"])
+@pytest.mark.parametrize("kind", ["tiled", "tma", "splitk"])
 def test_gpu_every_config(kind):
     """Each config the autotuner may pick, launched directly on one shape that no tile divides."""
     import triton
@@ -379,7 +425,9 @@ def test_gpu_every_config(kind):
     M, N, K = 300, 264, 328  # 16-byte rows (TMA), no tile size divides M or N, K not a multiple of BLOCK_K
     a, b = make_operands(M, N, K, torch.bfloat16, "cuda", "nt", case_seed("cfg", kind))
     ref = torch.matmul(a.float(), b.float())
-    configs = gemm._TMA if kind == "tma" else gemm._LARGE + gemm._SMALL_M
+    configs = {"tma": gemm._TMA, "tiled": gemm._LARGE + gemm._SMALL_M, "splitk": gemm._SPLIT_K}[kind]
+    splits, k_per_split = 3, 128  # 128 + 128 + 72 of K = 328
+    ws = torch.empty((splits, M, N), dtype=torch.float32, device="cuda")
     failures = []
     for bm, bn, bk, stages, warps in configs:
         c = poison(torch.empty((M, N), dtype=torch.bfloat16, device="cuda"))
@@ -393,6 +441,12 @@ def test_gpu_every_config(kind):
                          gemm.TensorDescriptor.from_tensor(c, [bm, bn]))
                 gemm._matmul_tma_kernel[grid](*descs, M, N, K, 0, 0, A_TRANSPOSED=False, B_TRANSPOSED=True,
                                               **meta)
+            elif kind == "splitk":
+                poison(ws)
+                gemm._matmul_splitk_kernel[grid + (splits,)](a, b, ws, M, N, K, *a.stride(), *b.stride(),
+                                                             *ws.stride(), k_per_split, 0, 0, **meta)
+                gemm._splitk_reduce_kernel[(M, triton.cdiv(N, gemm.SPLIT_K_REDUCE_BLOCK))](
+                    ws, c, N, splits, ws.stride(0), *c.stride(), BLOCK=gemm.SPLIT_K_REDUCE_BLOCK, num_warps=2)
             else:
                 gemm._matmul_kernel[grid](a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(), 0, 0, **meta)
         except triton.runtime.errors.OutOfResources:

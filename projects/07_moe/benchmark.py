@@ -4,14 +4,16 @@
 
 Two regimes, two metrics:
 - decode (tokens <= 16): the layer streams the weights of the experts the tokens chose, so the metric
-  is expert-weight bandwidth: bytes = used_experts * 3 * H * I * b (+ activations), as GB/s and % of
-  the measured copy bandwidth;
+  is expert-weight bandwidth: bytes = kernel_lab.ops.moe.bytes_moved (used_experts * 3 * H * I * b, plus
+  x and the output), as GB/s and % of the measured copy bandwidth;
 - prefill (tokens > 16): FLOPs = 6 * tokens * top_k * H * I, as TFLOP/s and % of the measured bf16
   cuBLAS ceiling.
 Baselines measured in the same run: a per-expert loop in PyTorch (gather, two F.linear, index_add, in
 the activation dtype: what a straightforward implementation does), a dense bmm over all E experts with
 every segment padded to the largest one, and this layer with SwiGLU applied by project 02's kernel
-between the GEMMs instead of in the first GEMM's epilogue.
+between the GEMMs instead of in the first GEMM's epilogue. The new designs run beside the default as their
+own rows of the same table: "routing=kernel" (routing and alignment in one kernel) and "raster=grouped"
+(grouped tile order in both expert GEMMs).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import assert_close  # noqa: E402
 from kernel_lab.ops import moe  # noqa: E402
 from kernel_lab.ops.common import use_triton  # noqa: E402
-from kernel_lab.ops.moe import CONFIGS, _launch, choose_config, route  # noqa: E402
+from kernel_lab.ops.moe import CONFIGS, _launch, bytes_moved, choose_config, route  # noqa: E402
 
 PROJECT = "07_moe"
 SHAPES = {  # name: (E, H, I, top_k)
@@ -37,6 +39,7 @@ SHAPES = {  # name: (E, H, I, top_k)
     "small": (64, 2048, 768, 2),
 }
 DECODE_MAX_TOKENS = 16
+DESIGNS = (("", {}), (" routing=kernel", {"routing": "kernel"}), (" raster=grouped", {"raster": "grouped"}))
 
 
 def per_expert_loop(x, w_gate_up, w_down, logits, top_k):
@@ -88,8 +91,7 @@ def tile_sweep(args, top_k, timed) -> str:
     cells = []
     for _, config in CONFIGS:
         def call(lg, config=config):
-            weights, ids = route(lg, top_k, True)
-            return _launch(x, w_gate_up, w_down, weights, ids, True, config)
+            return _launch(x, w_gate_up, w_down, lg, top_k, True, True, config)
 
         t = timed(call, "tile")
         cells.append(f"m{config.block_m}{'*' if config == chosen else ''}={t.median_ms * 1e3:.1f}us")
@@ -139,13 +141,14 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                     return benchmark(fns, device=device, name=label, cuda_graph=False, **reps)
 
             args = (x, w_gate_up, w_down, logits_sets[0])
-            checked += 1
-            try:
-                assert_close(moe(*args, top_k=top_k), per_expert_loop(*args, top_k), dtype, scale=4.0)
-                passed += 1
-            except AssertionError as exc:
-                print(f"MISMATCH {shape_name} tokens={tokens}: {exc}")
-            t_ours = timed(lambda lg: moe(x, w_gate_up, w_down, lg, top_k=top_k), "kernel_lab.moe", cuda_graph=graph)
+            expected = per_expert_loop(*args, top_k)
+            for tag, design in DESIGNS:
+                checked += 1
+                try:
+                    assert_close(moe(*args, top_k=top_k, **design), expected, dtype, scale=4.0)
+                    passed += 1
+                except AssertionError as exc:
+                    print(f"MISMATCH {shape_name} tokens={tokens}{tag}: {exc}")
             baselines = {
                 "per-expert loop": timed(lambda lg: per_expert_loop(x, w_gate_up, w_down, lg, top_k), "loop"),
                 "dense padded bmm": timed(lambda lg: dense_padded_bmm(x, w_gate_up, w_down, lg, top_k), "dense"),
@@ -160,19 +163,28 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
             used = [int(torch.unique(route(lg, top_k, True)[1]).numel()) for lg in logits_sets]
             shape = {"E": E, "H": H, "I": I, "top_k": top_k, "tokens": tokens,
                      "used_experts": sum(used) / len(used), "router_variants": variants}
-            name = f"{shape_name} tokens={tokens}"
-            if is_decode:
-                nbytes = int(sum(used) / len(used) * 3 * H * I * b) + 2 * tokens * H * b
-                decode.add_case(name, shape=shape, dtype="bf16", timing=t_ours, nbytes=nbytes, baselines=baselines)
-            else:
-                prefill.add_case(name, shape=shape, dtype="bf16", timing=t_ours, flops=6.0 * tokens * top_k * H * I,
-                                 baselines=baselines)
+            # decode's routing win is in launches: also time the one-kernel routing eagerly, against the
+            # "kernel_lab.moe eager" column
+            runs = [(tag, design, graph) for tag, design in DESIGNS]
+            if graph:
+                runs.append((" routing=kernel eager", {"routing": "kernel"}, False))
+            for tag, design, as_graph in runs:
+                t = timed(lambda lg, d=design: moe(x, w_gate_up, w_down, lg, top_k=top_k, **d), f"kernel_lab.moe{tag}",
+                          cuda_graph=as_graph)
+                name = f"{shape_name} tokens={tokens}{tag}"
+                extra = {"routing": design.get("routing", "torch"), "raster": design.get("raster", "m_fastest")}
+                if is_decode:
+                    decode.add_case(name, shape=shape, dtype="bf16", timing=t, baselines=baselines, extra=extra,
+                                    nbytes=bytes_moved(tokens, H, I, sum(used) / len(used), b))
+                else:
+                    prefill.add_case(name, shape=shape, dtype="bf16", timing=t, baselines=baselines, extra=extra,
+                                     flops=6.0 * tokens * top_k * H * I)
     records = []
     for rec, what in ((decode, "expert-weight bandwidth"), (prefill, "throughput")):
         if not rec.record["cases"]:
             continue
         rec.set_correctness(passed, checked)
-        cases = rec.record["cases"]
+        cases = [c for c in rec.record["cases"] if c["routing"] == "torch" and c["raster"] == "m_fastest"]
         worst = min(cases, key=lambda c: c["percent_of_ceiling"])
         rec.set_headline(f"moe {what}: worst case {worst['name']} at {worst['percent_of_ceiling']:.1f}% of the "
                          f"measured {worst['ceiling']} ceiling",
