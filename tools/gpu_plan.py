@@ -47,7 +47,7 @@ PROJECT_CAPS = {
     "01_rmsnorm": {"pytest": 25, "benchmark": 30},
     "02_swiglu": {"pytest": 25, "benchmark": 40},  # its baselines are torch.compile'd (inductor)
     "03_gemm": {"pytest": 90, "benchmark": 60},  # cuBLAS ceilings, Triton configs compiled per shape
-    "08_vllm_plugin": {"pytest": 15},  # skips without vLLM (the box has none)
+    "08_vllm_plugin": {"pytest": 30},  # skips at once without vLLM (the box has none)
     "09_engine": {"pytest": 60, "benchmark": 90},
 }
 DEFAULT_CAPS = {"gpu_checks": 60, "pytest": 60, "benchmark": 60}  # a project not listed above
@@ -114,28 +114,35 @@ def summary_step() -> Step:
                 SUMMARY_TIMEOUT_S, ("tools/gpu_summary.py",))
 
 
+def pytest_step(project: str, target: str, cap_s: int, label: str | None = None) -> Step:
+    """The tests at `target` (a project dir or one file) on the device, one JUnit file per project."""
+    return Step(project, "pytest", label or f"{project} tests",
+                ("python3", "-m", "pytest", "-q", "-m", DEVICE_MARKERS, "-p", "no:cacheprovider", target,
+                 f"--junitxml={{out}}/logs/{project}.junit.xml"),
+                f"logs/{project}.pytest.log", cap_s, (target,))
+
+
+def benchmark_step(project: str, script: str, cap_s: int, quick: bool = True, label: str | None = None) -> Step:
+    return Step(project, "benchmark", label or f"{project} benchmark",
+                ("python3", script, *(("--quick",) if quick else ()), "--out", "{out}/results"),
+                f"logs/{project}.bench.log", cap_s, (script,), needs_extension=project in NEEDS_EXTENSION)
+
+
 def project_steps(project_dir: str, repo: Path = REPO, kinds=("gpu_checks", "pytest", "benchmark"),
                   quick: bool = True) -> list[Step]:
     """The steps of one project that exist in its directory, of the given kinds, in order."""
     name = Path(project_dir).name
     caps = {**DEFAULT_CAPS, **PROJECT_CAPS.get(name, {})}
     here = repo / project_dir
-    extension = name in NEEDS_EXTENSION
     steps = []
     if "gpu_checks" in kinds and (here / "gpu_checks.sh").exists():
         script = f"{project_dir}/gpu_checks.sh"
         steps.append(Step(name, "gpu_checks", f"{name} gpu_checks.sh", ("bash", script), f"logs/{name}.checks.log",
-                          caps["gpu_checks"], (script,), needs_extension=extension))
+                          caps["gpu_checks"], (script,), needs_extension=name in NEEDS_EXTENSION))
     if "pytest" in kinds and any(here.glob("test_*.py")):
-        steps.append(Step(name, "pytest", f"{name} tests",
-                          ("python3", "-m", "pytest", "-q", "-m", DEVICE_MARKERS, "-p", "no:cacheprovider", project_dir,
-                           f"--junitxml={{out}}/logs/{name}.junit.xml"),
-                          f"logs/{name}.pytest.log", caps["pytest"], (project_dir,)))
+        steps.append(pytest_step(name, project_dir, caps["pytest"]))
     if "benchmark" in kinds and (here / "benchmark.py").exists():
-        script = f"{project_dir}/benchmark.py"
-        steps.append(Step(name, "benchmark", f"{name} benchmark",
-                          ("python3", script, *(("--quick",) if quick else ()), "--out", "{out}/results"),
-                          f"logs/{name}.bench.log", caps["benchmark"], (script,), needs_extension=extension))
+        steps.append(benchmark_step(name, f"{project_dir}/benchmark.py", caps["benchmark"], quick))
     return steps
 
 
