@@ -149,8 +149,6 @@ def project_dirs(repo: Path) -> list[str]:
 def from_plan(step: gpu_plan.Step, quick: bool = True) -> Step:
     """A plan step as a Modal step: its command and files, its cap scaled for a rented GPU without a deadline."""
     timeout = step.cap_s * MODAL_TIMEOUT_FACTOR * (FULL_SWEEP_FACTOR if step.kind == "benchmark" and not quick else 1)
-    if step.stdout:
-        return Step(step.label, step.argv, step.stdout, timeout, needs=step.needs, stdout_only=True)
     return Step(step.label, step.argv, step.log, timeout, needs=step.needs)
 
 

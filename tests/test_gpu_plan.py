@@ -25,7 +25,7 @@ def test_the_default_run_fits_the_budget_and_covers_04_to_07_in_full():
     assert sum(s.cap_s for s in steps[:fit]) <= gpu_plan.BUDGET_S - gpu_plan.SUMMARY_RESERVE_S
     assert gpu_plan.BUDGET_S <= gpu_plan.MAX_BUDGET_S
     kinds = [(s.project, s.kind) for s in steps[:fit]]
-    assert kinds[:3] == [("setup", "environment"), ("setup", "environment_text"), ("setup", "build")]
+    assert kinds[:2] == [("setup", "environment"), ("setup", "build")]
     for project in FIRST:
         expected = {s.kind for s in gpu_plan.project_steps(f"projects/{project}")}
         assert expected and {k for p, k in kinds if p == project} == expected, project

@@ -37,7 +37,7 @@ FULL_SWEEP_FACTOR = 8
 PROJECT_ORDER = ("04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe", "01_rmsnorm", "02_swiglu",
                  "03_gemm", "08_vllm_plugin", "09_engine")
 NEEDS_EXTENSION = {"04_paged_decode", "05_fp8_kv", "09_engine"}  # call the CUDA extension (kernel_lab/csrc)
-SETUP_CAPS = {"environment": 15, "environment_text": 10, "build": 120}
+SETUP_CAPS = {"environment": 15, "build": 130}
 # Per project: gpu_checks.sh (extension load, two compute-sanitizer runs), pytest, benchmark --quick.
 PROJECT_CAPS = {
     "04_paged_decode": {"gpu_checks": 45, "pytest": 40, "benchmark": 25},
@@ -56,17 +56,16 @@ DEFAULT_CAPS = {"gpu_checks": 60, "pytest": 60, "benchmark": 60}  # a project no
 @dataclass(frozen=True)
 class Step:
     """One command, run from the repo root. In argv `python3` is the interpreter to use and `{out}` the out
-    dir. `stdout`, when set, takes stdout alone (a JSON document), and `log` gets stderr."""
+    dir; its stdout and stderr go to `log`."""
 
     project: str  # "setup" for the environment and the build
-    kind: str  # environment, environment_text, build, gpu_checks, pytest, benchmark
+    kind: str  # environment, build, gpu_checks, pytest, benchmark, summary
     label: str
     argv: tuple[str, ...]
     log: str  # relative to the out dir
     cap_s: int
     needs: tuple[str, ...] = ()  # repo files the command runs
     needs_extension: bool = False  # skipped when the extension is neither cached nor buildable
-    stdout: str | None = None
 
     def shell(self) -> str:
         """The command for gpu_suite.sh: `$PY` for python3, `"$OUT"` for {out}, quoted for eval."""
@@ -76,8 +75,7 @@ class Step:
                 words.append("$PY")
             else:
                 words.append('"$OUT"'.join(shlex.quote(part) if part else "" for part in arg.split("{out}")))
-        redirect = f' > "$OUT"/{shlex.quote(self.stdout)}' if self.stdout else ""
-        return " ".join(words) + redirect
+        return " ".join(words)
 
 
 def project_dirs(repo: Path = REPO) -> list[str]:
@@ -95,13 +93,10 @@ def order(dirs: list[str]) -> list[str]:
 
 
 def environment_steps() -> list[Step]:
-    return [
-        Step("setup", "environment", "environment record", ("python3", "tools/environment.py", "--json"),
-             "logs/environment.err", SETUP_CAPS["environment"], ("tools/environment.py",),
-             stdout="environment.json"),
-        Step("setup", "environment_text", "environment (what is missing)", ("python3", "tools/environment.py"),
-             "logs/environment.txt", SETUP_CAPS["environment_text"], ("tools/environment.py",)),
-    ]
+    """The environment record (environment.json, which every result carries) and what is missing, one probe."""
+    return [Step("setup", "environment", "environment record",
+                 ("python3", "tools/environment.py", "--write", "{out}/environment.json"), "logs/environment.txt",
+                 SETUP_CAPS["environment"], ("tools/environment.py",))]
 
 
 def build_step() -> Step:

@@ -92,7 +92,7 @@ for line in "${PLAN[@]}"; do
   record "$project" "$step" "$rc" "$((SECONDS - start))" "$limit" "$note"
   echo "   $step rc=$rc$([ $rc -eq 124 ] && echo ' (timed out)') in $((SECONDS - start)) s"
   case $step in
-    environment_text) tail -n 20 "$OUT/$log" ;;
+    environment) tail -n 20 "$OUT/$log" ;;
     pytest) echo "   $(tail -n 1 "$OUT/$log")" ;;
     build) [ -n "$note" ] && echo "   $note" ;;
   esac
