@@ -38,6 +38,7 @@ def machine(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setenv("KERNEL_LAB_BUILD_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv(ce.UNAVAILABLE_ENV, raising=False)
     monkeypatch.setattr(ce, "_loaded", {})
     ce.unavailable_reason.cache_clear()
     tools = {"ninja": True, "nvcc": "/opt/cuda/bin/nvcc", "release": "13.0", "cxx": "/usr/bin/g++"}
@@ -121,6 +122,15 @@ def test_a_cached_library_that_does_not_import_is_removed_and_rebuilt(machine):
     with pytest.warns(RuntimeWarning, match="does not import"):
         assert ce.load_extension() == "built module"
     assert not (build_dir / f"{name}.so").exists() and len(builds) == 1
+
+
+def test_a_failed_build_named_by_the_suite_is_not_rebuilt(machine, monkeypatch):
+    builds, checks, _ = machine
+    monkeypatch.setenv(ce.UNAVAILABLE_ENV, "extension build failed (rc 1, logs/build_extension.log)")
+    assert ce.unavailable_reason() == "extension build failed (rc 1, logs/build_extension.log)"
+    with pytest.raises(ce.ExtensionUnavailable, match="rc 1"):
+        ce.load_extension()
+    assert builds == [] and checks == []
 
 
 def test_the_cache_key_follows_torch(machine, monkeypatch):

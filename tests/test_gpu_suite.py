@@ -48,7 +48,8 @@ def test_steps_that_need_an_unavailable_extension_are_skipped_with_the_reason(tm
     that line while its tests still run; the plan is printed before anything runs."""
     project = tmp_path / "projects" / "04_paged_decode"
     project.mkdir(parents=True)
-    (project / "test_case.py").write_text(FAST)
+    (project / "test_case.py").write_text(FAST + "\n\ndef test_sees_the_reason():\n    import os\n"
+                                          "    assert os.environ['KERNEL_LAB_EXTENSION_UNAVAILABLE']\n")
     shutil.copy(ROOT / "conftest.py", project / "conftest.py")
     ran = tmp_path / "ran"
     (project / "gpu_checks.sh").write_text(f"touch {ran}/checks\n")
@@ -70,4 +71,4 @@ def test_steps_that_need_an_unavailable_extension_are_skipped_with_the_reason(tm
         assert by_step[("04_paged_decode", step)][2:] == ["skipped", "0", "0", build[5]]
     assert by_step[("04_paged_decode", "pytest")][2] == "0"
     table = run.stdout[run.stdout.rindex("\nproject  ") + 1:].splitlines()
-    assert "2/2" in table[1] and "gpu_checks skipped (the kernel_lab CUDA extension needs" in table[1], table
+    assert "3/3" in table[1] and "gpu_checks skipped (the kernel_lab CUDA extension needs" in table[1], table

@@ -87,6 +87,7 @@ for line in "${PLAN[@]}"; do
   if [ "$step" = build ] && [ $rc -ne 0 ]; then
     # rc 3: a build tool is missing (the log's last line says which); anything else: the build failed.
     EXTENSION_UNAVAILABLE=$([ $rc -eq 3 ] && tail -n 1 "$OUT/$log" || echo "extension build failed (rc $rc, $OUT/$log)")
+    export KERNEL_LAB_EXTENSION_UNAVAILABLE=$EXTENSION_UNAVAILABLE  # tests marked cuda_extension skip with it
     note=$EXTENSION_UNAVAILABLE
   fi
   record "$project" "$step" "$rc" "$((SECONDS - start))" "$limit" "$note"

@@ -44,6 +44,9 @@ def kernel_sources() -> list[Path]:
 
 # `python -m kernel_lab.ops.cuda_extension` exits with this when a build tool is missing (any other failure: 1).
 TOOLS_MISSING_EXIT = 3
+# Set by tools/gpu_suite.sh to the build step's one line when that build failed: later processes then skip
+# the extension at once instead of each rebuilding it under its own step's cap.
+UNAVAILABLE_ENV = "KERNEL_LAB_EXTENSION_UNAVAILABLE"
 
 
 class ExtensionUnavailable(RuntimeError):
@@ -160,6 +163,8 @@ def import_cached(name: str, build_dir: Path):
 
 
 def _capability() -> tuple[int, int]:
+    if os.environ.get(UNAVAILABLE_ENV):
+        raise ExtensionUnavailable(os.environ[UNAVAILABLE_ENV])
     if not torch.cuda.is_available():
         raise ExtensionUnavailable("the kernel_lab CUDA extension needs a CUDA device and a CUDA build of torch")
     return torch.cuda.get_device_capability()
