@@ -459,15 +459,19 @@ def compile_specs():
 
 def dispatch_config_specs():
     """Every config the dispatcher may launch on each target (`fit_shared_memory` at the target's limit), for
-    the tiled kernel (bf16, nn.Linear layout) and on sm_90 the TMA kernel; compiled for their metadata only,
-    so that the shared memory Triton allocates can be checked against the limit and the estimate."""
+    the tiled and persistent kernels (bf16, nn.Linear layout) and on sm_90 the TMA kernel; compiled for their
+    metadata only, so that the shared memory Triton allocates can be checked against the limit and the bound."""
     from kernel_lab.harness.compile import SHARED_MEMORY_PER_BLOCK, CompileSpec
 
-    tiled = next(s for s in compile_specs() if s.name.startswith("matmul_tiled_bf16_nt"))
-    tma = next((s for s in compile_specs() if s.name.startswith("matmul_tma_bf16")), None)
+    base_specs = compile_specs()
+    tiled = next(s for s in base_specs if s.name.startswith("matmul_tiled_bf16_nt"))
+    persistent = next(s for s in base_specs if s.name.startswith("matmul_persistent_bf16_nt"))
+    tma = next((s for s in base_specs if s.name.startswith("matmul_tma_bf16")), None)
     specs = []
     for target, limit in SHARED_MEMORY_PER_BLOCK.items():
-        kinds = [(tiled, _pointer_configs())] + ([(tma, _tma_configs())] if tma is not None and target >= 90 else [])
+        kinds = [(tiled, _pointer_configs()), (persistent, _pointer_configs())]
+        if tma is not None and target >= 90:
+            kinds.append((tma, _tma_configs()))
         for base, configs in kinds:
             for c in fit_shared_memory(configs, limit):
                 bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))

@@ -3,8 +3,8 @@
 An L4 (sm_89) gives a block 101,376 B of shared memory; the first configs of the autotune lists need up to
 147 KB, and with autotuning off the dispatcher launches the first config it keeps. The configs are filtered
 by the device's limit (`gemm.fit_shared_memory`, from an upper-bound estimate); here Triton's own count
-(`compiled.metadata.shared`) for sm_80, sm_89 and sm_90 shows that each config kept for a target fits it and
-that the estimate is an upper bound.
+(`compiled.metadata.shared`) for sm_80, sm_89 and sm_90 shows, for the tiled, persistent and TMA kernels, that
+each config kept for a target fits it and that the estimate is an upper bound.
 """
 
 import re
@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from kernel_lab.harness.compile import SHARED_MEMORY_PER_BLOCK, arch_name, compile_module
+from kernel_lab.harness.compile import SHARED_MEMORY_PER_BLOCK, arch_name, finish_compile_child, start_compile_child
 from kernel_lab.ops import gemm
 
 L4_SHARED = SHARED_MEMORY_PER_BLOCK[89]
@@ -21,7 +21,11 @@ M_CASES = (1, 16, 32, 33, 64, 65, 100, 128, 129, 4096)
 
 @pytest.fixture(scope="module")
 def dispatch_compiled():
-    return compile_module("kernel_lab.ops.gemm", specs="dispatch_config_specs")
+    """{(spec name, target): summary entry with "shared_bytes"}, one child process per target, concurrently."""
+    children = [start_compile_child("kernel_lab.ops.gemm", targets=(t,), specs="dispatch_config_specs")
+                for t in SHARED_MEMORY_PER_BLOCK]
+    entries = [e for child in children for e in finish_compile_child(child)]
+    return {(e["name"], e["target"]): e for e in entries}
 
 
 def _tiles(config):
@@ -31,7 +35,7 @@ def _tiles(config):
 def test_dispatchable_configs_fit_shared_memory(dispatch_compiled):
     for target, limit in SHARED_MEMORY_PER_BLOCK.items():
         compiled = {name: r for (name, t), r in dispatch_compiled.items() if t == arch_name(target)}
-        expected = len(gemm.fit_shared_memory(gemm._pointer_configs(), limit))
+        expected = 2 * len(gemm.fit_shared_memory(gemm._pointer_configs(), limit))  # tiled and persistent
         if target >= 90 and gemm.TensorDescriptor is not None:
             expected += len(gemm.fit_shared_memory(gemm._tma_configs(), limit))
         assert len(compiled) == expected, (target, sorted(compiled))
