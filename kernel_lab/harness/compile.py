@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TARGETS = (80, 89, 90)
+# Shared memory one block may use (the opt-in maximum) on each target: A100, L4/L40S (sm_89), H100/H200.
+SHARED_MEMORY_PER_BLOCK = {80: 166912, 89: 101376, 90: 232448}
 
 
 @dataclass
@@ -38,6 +40,14 @@ class CompileSpec:
     num_stages: int = 3
     aligned: tuple[str, ...] = ()  # pointer/int arguments specialised as divisible by 16 (enables 128-bit access)
     min_capability: int = 0  # skip targets below this (e.g. a TMA/wgmma path is sm_90-only)
+    targets: tuple[int, ...] | None = None  # only these of the requested targets (None: all of them)
+    report: bool = True  # ptxas report and SASS; False: compile and keep the metadata (shared memory) only
+
+
+def targets_fitting(shared_bytes: int, targets=TARGETS) -> tuple[int, ...]:
+    """The targets whose per-block shared memory holds `shared_bytes` (a config that does not fit a target is
+    never dispatched there, so it is not compiled for it either)."""
+    return tuple(t for t in targets if shared_bytes <= SHARED_MEMORY_PER_BLOCK[t])
 
 
 def triton_bin(tool: str) -> str:
@@ -124,7 +134,7 @@ def compile_triton(spec: CompileSpec, capability: int) -> dict:
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     asm = compiled.asm
-    report = ptxas_report(asm["ptx"], capability)
+    report = ptxas_report(asm["ptx"], capability) if spec.report else {}
     return {
         "name": spec.name,
         "target": arch_name(capability),
@@ -132,25 +142,26 @@ def compile_triton(spec: CompileSpec, capability: int) -> dict:
         "ttgir": asm.get("ttgir", ""),
         "llir": asm.get("llir", ""),
         "ptx": asm["ptx"],
-        "sass": sass(asm["cubin"]),
+        "sass": sass(asm["cubin"]) if spec.report else "",
         "ptxas": report,
         "shared_bytes": getattr(compiled.metadata, "shared", None),
     }
 
 
-def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path) -> None:
+def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path,
+               specs: str = "compile_specs") -> None:
     mod = importlib.import_module(module)
     summary = []
-    if not hasattr(mod, "compile_specs"):
+    if not hasattr(mod, specs):
         for cap in targets:
             summary += mod.compile_artifacts(arch_name(cap), str(out_dir), only)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return
-    for spec in mod.compile_specs():
+    for spec in getattr(mod, specs)():
         if only and spec.name != only:
             continue
         for cap in targets:
-            if cap < spec.min_capability:
+            if cap < spec.min_capability or (spec.targets is not None and cap not in spec.targets):
                 continue
             result = compile_triton(spec, cap)
             stem = f"{spec.name}.{result['target']}"
@@ -163,14 +174,16 @@ def _run_child(module: str, targets: list[int], only: str | None, out_dir: Path)
 
 
 def start_compile_child(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None,
-                        env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start compiling `module` for `targets` in a child process without the interpreter, with `env` added
-    to the environment; return its Popen for `finish_compile_child`. Starting early overlaps other work."""
+                        env: dict[str, str] | None = None, specs: str = "compile_specs") -> subprocess.Popen:
+    """Start compiling `module`'s specs (the list its function `specs` returns) for `targets` in a child process
+    without the interpreter, with `env` added to the environment; return its Popen for `finish_compile_child`.
+    Starting early overlaps other work."""
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="kl-compile-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     cmd = [sys.executable, "-W", "ignore", "-m", "kernel_lab.harness.compile", "--child", module, "--out",
-           str(out_dir), "--targets", ",".join(str(t) for t in targets)] + (["--only", only] if only else [])
+           str(out_dir), "--targets", ",".join(str(t) for t in targets), "--specs", specs] + (
+               ["--only", only] if only else [])
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.module, proc.out_dir = module, out_dir
     return proc
@@ -188,12 +201,14 @@ def finish_compile_child(proc: subprocess.Popen, timeout: int = 900) -> list[dic
     return json.loads((proc.out_dir / "summary.json").read_text())
 
 
-def compile_module(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None) -> dict:
-    """Compile every CompileSpec of `module` for `targets` in a child process without the interpreter.
+def compile_module(module: str, targets=TARGETS, only: str | None = None, out_dir: str | Path | None = None,
+                   specs: str = "compile_specs") -> dict:
+    """Compile every CompileSpec of `module` (from its function `specs`) for `targets` in a child process
+    without the interpreter.
 
-    Returns {(name, target): {"registers", "spill_stores", "spill_loads", "ptx", "sass", ...}}.
+    Returns {(name, target): {"registers", "spill_stores", "spill_loads", "shared_bytes", "ptx", "sass", ...}}.
     """
-    proc = start_compile_child(module, targets, only, out_dir)
+    proc = start_compile_child(module, targets, only, out_dir, specs=specs)
     summary, out_dir = finish_compile_child(proc), proc.out_dir
     results = {}
     for entry in summary:
@@ -243,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets", default="80,89,90")
     parser.add_argument("--only")
+    parser.add_argument("--specs", default="compile_specs")
     args = parser.parse_args(argv)
-    _run_child(args.child, [int(t) for t in args.targets.split(",")], args.only, Path(args.out))
+    _run_child(args.child, [int(t) for t in args.targets.split(",")], args.only, Path(args.out), args.specs)
     return 0
 
 

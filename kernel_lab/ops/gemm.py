@@ -231,8 +231,36 @@ def _tma_configs():
     return [_cfg(*c, pre_hook=_set_tma_blocks) for c in _TMA]
 
 
+# ----------------------------------------------------------------------------------------- shared memory
+def config_shared_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int = 2) -> int:
+    """An upper bound of the shared memory a config of these kernels allocates: per pipeline stage an A and a
+    B tile and an 8-byte mbarrier, or the fp32 accumulator tile the epilogue may stage, whichever is larger
+    (the epilogue reuses the pipeline's buffers). Triton 3.9 allocates exactly the stage buffers on sm_90 and
+    one stage fewer on sm_80/89; test_shared_memory.py checks the bound against Triton's own count."""
+    return max(stages * ((bm * bk + bk * bn) * elem_bytes + 8), bm * bn * 4)
+
+
+def fit_shared_memory(configs: list, limit_bytes: int) -> list:
+    """The triton.Configs of `configs` that fit `limit_bytes` of shared memory per block, in order."""
+    return [c for c in configs if config_shared_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"],
+                                                      c.num_stages) <= limit_bytes]
+
+
+@functools.lru_cache(maxsize=None)
+def device_shared_memory(device_index: int) -> int:
+    """Shared memory one block may use on this GPU (opt-in maximum): 101376 B on an L4, 232448 B on an H100."""
+    limit = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", None)
+    if limit:
+        return int(limit)
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
 def _prune_by_m(configs, named_args, **_):
-    """Keep configs whose row tile suits M: small tiles for decode-sized M, large ones otherwise."""
+    """Keep configs that fit this GPU's shared memory and whose row tile suits M: small tiles for decode-sized
+    M, large ones otherwise."""
+    configs = fit_shared_memory(configs, device_shared_memory(torch.cuda.current_device()))
     m = named_args["M"]
     if m <= 32:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] <= 32]
@@ -510,7 +538,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, ba
 def compile_specs():
     """Specialisations compiled for sm_80/89/90 by the compile tests: one per kernel and layout family (each
     compile takes seconds, so the list covers kernels x layouts rather than every autotune config)."""
-    from kernel_lab.harness.compile import CompileSpec
+    from kernel_lab.harness.compile import CompileSpec, targets_fitting
 
     ints = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
             "M_BUCKET", "LAYOUT")
@@ -530,7 +558,8 @@ def compile_specs():
             name=f"{name}_{dtype}_{layout}_{bm}x{bn}x{bk}", kernel=kernel, signature=sig,
             constexprs={**{k: 1 for k in unit}, **extra, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                         "GROUP_M": 8, "UPCAST": False},
-            num_warps=warps, num_stages=stages, aligned=tuple(x for x in aligned if x not in unit))
+            num_warps=warps, num_stages=stages, aligned=tuple(x for x in aligned if x not in unit),
+            targets=targets_fitting(config_shared_bytes(bm, bn, bk, stages)))
 
     specs = [
         pointer_spec(_matmul_kernel, "matmul_tiled", "fp16", "nn", _LARGE[1]),
@@ -571,4 +600,35 @@ def compile_specs():
                 signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
                                            "A_TRANSPOSED": False, "B_TRANSPOSED": b_t, "UPCAST": False},
                 num_warps=warps, num_stages=stages, min_capability=90))
+    return specs
+
+
+def dispatch_config_specs():
+    """Every config the dispatcher may launch on each target (`fit_shared_memory` at the target's limit), for
+    the tiled and persistent kernels (bf16, nn.Linear layout) and on sm_90 the TMA kernel; compiled for their
+    metadata only, so that the shared memory Triton allocates can be checked against the limit and the bound."""
+    from kernel_lab.harness.compile import SHARED_MEMORY_PER_BLOCK, CompileSpec
+
+    base_specs = compile_specs()
+    tiled = next(s for s in base_specs if s.name.startswith("matmul_tiled_bf16_nt"))
+    persistent = next(s for s in base_specs if s.name.startswith("matmul_persistent_bf16_nt"))
+    tma = next((s for s in base_specs if s.name.startswith("matmul_tma_bf16")), None)
+    specs = []
+    for target, limit in SHARED_MEMORY_PER_BLOCK.items():
+        kinds = [(tiled, _pointer_configs()), (persistent, _pointer_configs())]
+        if tma is not None and target >= 90:
+            kinds.append((tma, _tma_configs()))
+        for base, configs in kinds:
+            for c in fit_shared_memory(configs, limit):
+                bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+                signature = dict(base.signature)
+                if base is tma:  # the descriptors' block shapes are the config's tiles
+                    signature.update(a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<bf16[{bn},{bk}]>",
+                                     c_desc=f"tensordesc<bf16[{bm},{bn}]>")
+                specs.append(CompileSpec(
+                    name=f"{base.name.rsplit('_', 1)[0]}_{bm}x{bn}x{bk}s{c.num_stages}w{c.num_warps}_sm{target}",
+                    kernel=base.kernel, signature=signature,
+                    constexprs={**base.constexprs, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                    num_warps=c.num_warps, num_stages=c.num_stages, aligned=base.aligned, targets=(target,),
+                    report=False))
     return specs

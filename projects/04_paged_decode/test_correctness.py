@@ -622,6 +622,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", GPU_CASES)
 def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype):
@@ -678,6 +679,7 @@ def test_graph_case_tables_cover_every_replayed_length():
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 def test_gpu_under_cuda_graph_with_changing_lengths():
     q, kc, vc, bt, sl = graph_case("cuda")
     out = torch.empty_like(q)
@@ -697,6 +699,7 @@ def test_gpu_under_cuda_graph_with_changing_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 def test_gpu_validate_refuses_graph_capture_and_catches_bad_tables():
     q, kc, vc, bt, sl, _, _ = make_case(5, batch=2, num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=16,
                                         lengths=[40, 5], dtype=torch.float16, device="cuda")

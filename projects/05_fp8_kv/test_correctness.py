@@ -327,6 +327,7 @@ def test_cuda_write_kv_source_follows_the_non_finite_rule():
 
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 def test_gpu_write_kv_is_bit_identical_to_the_reference():
     calls = [(torch.arange(0, 40), 0), (torch.tensor([40, 3, -1, 41, 7]), 6), (torch.tensor([44, 45, 1]), 12),
              (torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=generator(1)), -3)]
@@ -344,6 +345,7 @@ def test_gpu_write_kv_is_bit_identical_to_the_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_write_kv_matches_the_reference_on_non_finite_inputs(dtype):
     """NaN and inf: the CUDA kernels follow the reference's rule (scales from finite values, NaN kept through
@@ -358,6 +360,7 @@ def test_gpu_write_kv_matches_the_reference_on_non_finite_inputs(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_extension
 @pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", [
     (1, 32, 32, 128, 16, 16384), (16, 32, 8, 128, 16, 2000), (7, 8, 1, 256, 64, 3000), (40, 16, 16, 64, 8, 500),
 ])

