@@ -157,6 +157,10 @@ class EngineConfig:
         return None
 
     @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
     def blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 

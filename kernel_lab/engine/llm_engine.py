@@ -19,6 +19,7 @@ from kernel_lab.models.tokenizer import TokenIdsOnly, Tokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .interface import EngineStats
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -118,25 +119,23 @@ class LLMEngine:
             self.output_processor.append_token(result)
             touched[result.seq.request.request_id] = result.seq.request
         self.num_generated_tokens += len(results)
-        outputs = [self.output_processor.make_output(r) for r in touched.values()]
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+            out = self.output_processor.make_output(request)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     # ------------------------------------------------------------------------------------------- stats
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_kv_blocks_total": bm.num_blocks,
-            "num_kv_blocks_free": bm.num_free_blocks,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_generated_tokens": self.num_generated_tokens,
-            "weights": self.config.weights,
-            "weight_bytes": self.runner.model.decode_weight_bytes(),
-            "resident_weight_bytes": self.runner.model.resident_weight_bytes(),
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+            weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
+            resident_weight_bytes=self.runner.model.resident_weight_bytes(),
+        )

@@ -83,8 +83,8 @@ def engine_kwargs_from_args(args) -> dict:
 def run_serve(args) -> int:
     import uvicorn
 
+    from .app import build_app
     from .async_engine import AsyncEngine
-    from .openai_api import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kernel_lab.server")

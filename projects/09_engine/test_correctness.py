@@ -132,7 +132,7 @@ def test_greedy_parity_with_transformers(reference_only, engine_run, hf_greedy, 
     # A shared-prefix prompt admitted after the first one finished its prefill reused its full blocks.
     shared_prefix_blocks = len(engine.tokenizer.encode(SHARED_PREFIX)) // 16
     assert max(final[f"p{i}"].num_cached_tokens for i in SHARED) >= 16 * (shared_prefix_blocks - 1)
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"], "blocks leaked"
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"], "blocks leaked"
     mismatches = []
     for i in range(len(PROMPTS)):
         ours, theirs = final[f"p{i}"].outputs[0].token_ids, hf_greedy[i]
@@ -282,11 +282,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(reference_only, e
 def test_abort_frees_blocks_and_length_cap(reference_only, engine):
     engine.add_request("to-abort", "Tell me a long story about dragons.", SamplingParams(max_tokens=200))
     engine.step()
-    assert engine.stats()["num_kv_blocks_free"] < engine.stats()["num_kv_blocks_total"]
+    assert engine.stats()["kv_cache_blocks_free"] < engine.stats()["kv_cache_blocks_total"]
     engine.abort_request("to-abort")
     engine.abort_request("never-existed")  # no-op
     stats = engine.stats()
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and not engine.has_unfinished_requests()
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"] and not engine.has_unfinished_requests()
     # A prompt just under max_model_len: generation is capped and finishes with "length".
     prompt = [100 + (i % 50) for i in range(engine.max_model_len - 2)]
     c = _generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
@@ -371,7 +371,7 @@ def test_fp8_kv_cache_runs_and_stays_close_to_fp32(reference_only, engine_run, e
     assert sum(agree) / (32 * len(chosen)) >= 0.5, agree
     assert sum(a == 32 for a in agree) >= 2, agree
     assert bool((fp8.runner.kv_scales > 0).any())  # the decode steps really read scaled fp8 pages
-    assert fp8.stats()["num_kv_blocks_free"] == fp8.stats()["num_kv_blocks_total"]
+    assert fp8.stats()["kv_cache_blocks_free"] == fp8.stats()["kv_cache_blocks_total"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 257])

@@ -74,7 +74,7 @@ def test_decode_step_has_no_host_sync(graphs_engine, prompts):
             engine.output_processor.append_token(r)
     for i in range(3):
         engine.abort_request(f"sync-{i}")
-    assert engine.stats()["num_kv_blocks_free"] == engine.stats()["num_kv_blocks_total"]
+    assert engine.stats()["kv_cache_blocks_free"] == engine.stats()["kv_cache_blocks_total"]
 
 
 def test_bf16_greedy_follows_transformers(graphs_engine, bundled_model, prompts):
