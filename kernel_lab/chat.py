@@ -65,7 +65,8 @@ def run_generate(args) -> int:
     decode_rate = (num_tokens - 1) / (end - first_token_at) if num_tokens > 1 and end > first_token_at else 0.0
     cold = f", {since_start:.2f} s after process start" if since_start is not None else ""
     print(f"[{num_tokens} tokens; first token {first_token_at - start:.2f} s after the request{cold}; "
-          f"{decode_rate:.1f} tok/s after it; {engine.device.type}, {str(engine.dtype).replace('torch.', '')}]",
+          f"{decode_rate:.1f} tok/s after it; {engine.config.device.type}, "
+          f"{str(engine.config.dtype).replace('torch.', '')}]",
           file=sys.stderr)
     return 0
 
@@ -132,7 +133,8 @@ def run_demo(args) -> int:
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.num_prompts)]
     params = sampling_params(args)
     panel = _Panel(prompts, sys.stdout)
-    print(f"{engine.model_name} on {engine.device.type} ({str(engine.dtype).replace('torch.', '')}): "
+    config = engine.config
+    print(f"{config.model_name} on {config.device.type} ({str(config.dtype).replace('torch.', '')}): "
           f"{len(prompts)} chats at once, continuous batching, max {engine.scheduler.max_num_seqs} in flight")
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):

@@ -85,8 +85,8 @@ def _bench_kernel_lab(args, workload) -> dict:
     elapsed = time.perf_counter() - start
     import torch
 
-    return {"elapsed_time": elapsed, "generated": generated, "device": engine.device.type,
-            "dtype": str(engine.dtype).replace("torch.", ""), "stats": engine.stats(),
+    return {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
+            "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
             "threads": torch.get_num_threads()}
 
 

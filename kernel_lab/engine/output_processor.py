@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from kernel_lab.models.tokenizer import IncrementalDetokenizer
 
-from .model_runner import SampleResult
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampler import SampleResult
 from .sampling_params import RequestOutputKind
 from .sequence import Request, Sequence
 

@@ -288,17 +288,17 @@ def test_abort_frees_blocks_and_length_cap(reference_only, engine):
     stats = engine.stats()
     assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"] and not engine.has_unfinished_requests()
     # A prompt just under max_model_len: generation is capped and finishes with "length".
-    prompt = [100 + (i % 50) for i in range(engine.max_model_len - 2)]
+    prompt = [100 + (i % 50) for i in range(engine.config.max_model_len - 2)]
     c = _generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
     assert len(c.token_ids) == 2 and c.finish_reason == "length"
-    c = _generate(engine, [prompt[:1] * engine.max_model_len], SamplingParams(temperature=0, max_tokens=5))[0]
+    c = _generate(engine, [prompt[:1] * engine.config.max_model_len], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(c.outputs[0].token_ids) == 1 and c.outputs[0].finish_reason == "length"
 
 
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_clear_errors(engine):
     with pytest.raises(ValueError, match="longer than max_model_len"):
-        engine.add_request("long", [5] * (engine.max_model_len + 1), SamplingParams())
+        engine.add_request("long", [5] * (engine.config.max_model_len + 1), SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", "", SamplingParams())
     with pytest.raises(ValueError, match="empty"):

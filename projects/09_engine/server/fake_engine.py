@@ -20,9 +20,9 @@ import zlib
 from dataclasses import dataclass
 
 from kernel_lab.engine.interface import EngineStats
-from kernel_lab.engine.model_runner import SampleResult
 from kernel_lab.engine.output_processor import OutputProcessor
 from kernel_lab.engine.outputs import RequestOutput
+from kernel_lab.engine.sampler import SampleResult
 from kernel_lab.engine.sampling_params import SamplingParams
 from kernel_lab.engine.sequence import Request, Sequence, SequenceStatus
 

@@ -53,8 +53,8 @@ class _ByteTokenizer:
 
 def _deltas(text: str, stops: list[str]) -> list[str]:
     """The text deltas the engine's output processor emits, one byte-token at a time."""
-    from kernel_lab.engine.model_runner import SampleResult
     from kernel_lab.engine.output_processor import OutputProcessor
+    from kernel_lab.engine.sampler import SampleResult
     from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
     from kernel_lab.engine.sequence import Request
 
