@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernel_lab.cli import add_engine_arguments, engine_kwargs
+from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LLAMA_CPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
@@ -44,9 +44,8 @@ def add_bench_throughput_arguments(parser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="random dataset: lengths uniform in [len*(1-r), len*(1+r)]")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None, help="write the results as JSON to this file")
-    add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)
+    add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)  # 0: the workload's longest; --seed seeds both
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: str, range_ratio: float,
@@ -69,7 +68,7 @@ def _bench_kernel_lab(args, workload) -> dict:
     from kernel_lab.engine import LLMEngine, SamplingParams
 
     _set_torch_threads(args)
-    engine = LLMEngine(args.model, **engine_kwargs(args))
+    engine = LLMEngine(**engine_kwargs(args))
     # Warm-up outside the timing: first calls allocate and (on CUDA) compile.
     engine.add_request("warmup", workload[0][0][:8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -160,7 +159,7 @@ def _bench_vllm(args, workload) -> dict:
     dtype = "float32" if args.dtype == "auto" else args.dtype
     llm = VllmLLM(model=str(resolve_model_dir(args.model)), dtype=dtype, enforce_eager=True,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_caching,
+                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=args.enable_prefix_caching,
                   seed=args.seed)
 
     def params(n):

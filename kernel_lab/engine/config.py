@@ -53,6 +53,11 @@ def resolve_dtype(dtype, device: torch.device, hf_config: dict) -> torch.dtype:
     return resolved
 
 
+def _option(default, help_text: str, choices=None):
+    """A field that is also a command-line flag (arg_utils.add_engine_arguments)."""
+    return field(default=default, metadata={"help": help_text, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
     """`model`: None (the bundled SmolLM2-135M-Instruct), a GGUF file or Hugging Face directory, or a
@@ -65,21 +70,25 @@ class EngineConfig:
     of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto" (default) picks quantized
     wherever it applies, the faster path in projects/09_engine's measurements."""
 
-    model: str | dict | None = None
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_dtype: str | torch.dtype = "auto"
-    enable_prefix_caching: bool = True
-    device: str | torch.device = "auto"
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    seed: int = 0
-    pad_decode_batches: bool = False
-    weights: str = "auto"
+    model: str | dict | None = _option(None, "Hugging Face directory or .gguf file (default: the bundled "
+                                             "SmolLM2-135M-Instruct)")
+    dtype: str | torch.dtype = _option("auto", "activation dtype: auto | float32 | bfloat16 | float16 (auto: float32 "
+                                               "on CPU, the checkpoint's half type on CUDA)")
+    max_model_len: int = _option(2048, "longest sequence, prompt and completion, in tokens")
+    max_num_seqs: int = _option(64, "sequences running at once")
+    max_num_batched_tokens: int | None = _option(None, "tokens per step (default: max(2048, max_num_seqs))")
+    block_size: int = _option(16, "tokens per KV-cache block", choices=SUPPORTED_BLOCK_SIZES)
+    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache dtype (auto: the activation dtype)",
+                                                choices=("auto", *_KV_DTYPES))
+    enable_prefix_caching: bool = _option(True, "share the KV blocks of common prompt prefixes")
+    device: str | torch.device = _option("auto", "auto | cpu | cuda")
+    num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: what the memory budget holds)")
+    gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use")
+    enforce_eager: bool = _option(False, "no CUDA graphs")
+    seed: int = _option(0, "seed of the engine's random stream (requests without a seed of their own)")
+    pad_decode_batches: bool = _option(False, "pad decode batches to the CUDA-graph sizes even without graphs")
+    weights: str = _option("auto", "CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
+                                   "(auto: quantized where the model and the CPU allow it)", choices=WEIGHT_CHOICES)
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
