@@ -1,5 +1,5 @@
 """The public kernels. Each op validates its inputs, then runs the path the dispatch rule picks for its
-tensors' device (the rule: docs/architecture.md, "What every op does"; each op states its own paths)."""
+tensors' device (the rule: docs/architecture.md, "The dispatch rule"; each op states its own paths)."""
 
 from .gemm import matmul
 from .kv_cache import allocate_kv_cache, write_kv

@@ -1,6 +1,6 @@
 """What every op shares: `use_triton` (whether a tensor goes to a Triton kernel: on CUDA, or on the CPU under
 TRITON_INTERPRET=1, read at call time) and the input checks and views. Which path each op takes on which
-device is the dispatch rule of docs/architecture.md, "What every op does"; each op's docstring states its own.
+device is the dispatch rule of docs/architecture.md, "The dispatch rule"; each op's docstring states its own.
 """
 
 from __future__ import annotations
