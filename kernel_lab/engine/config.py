@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_lab.models.llama import ModelConfig
+from kernel_lab.models.config import ModelConfig
 from kernel_lab.models.loader import load_config, resolve_model_dir
 from kernel_lab.ops.kv_cache import FP8_DTYPE, SUPPORTED_BLOCK_SIZES, kv_cache_bytes
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
-from kernel_lab.models.llama import QuantizedLinear
+from kernel_lab.models.layers.linear import QuantizedLinear
 from kernel_lab.ops.cpu_kernels import load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values

@@ -383,14 +383,14 @@ def test_linear_matches_a_float64_reference_on_both_cpu_paths(rows, with_bias, m
     import torch.nn.functional as F
 
     from kernel_lab.harness.testing import case_seed, randn
-    from kernel_lab.models import llama
+    from kernel_lab.models.layers import linear as llama_linear
 
     seed = case_seed("linear", rows, with_bias)
     x = randn((rows, 40), torch.float32, "cpu", seed)[:, :37]           # a strided input
     weight = randn((120, 37), torch.float32, "cpu", seed + 1)
     bias = randn((120,), torch.float32, "cpu", seed + 2) if with_bias else None
     expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
-    linear = llama.Linear(weight, bias)
+    linear = llama_linear.Linear(weight, bias)
     assert linear.blocked is not None, "this torch build has no oneDNN: the CPU engine runs F.linear only"
 
     def refuse(*args, **kwargs):
@@ -403,3 +403,24 @@ def test_linear_matches_a_float64_reference_on_both_cpu_paths(rows, with_bias, m
     out = linear(x)
     assert out.shape == (rows, 120) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias,tied", [(False, True), (True, False)])
+def test_the_checkpoint_table_drives_loading_random_weights_and_the_parameter_count(qkv_bias, tied):
+    from kernel_lab.models.config import ModelConfig
+    from kernel_lab.models.llama import build_model, checkpoint_shapes, random_state_dict
+
+    arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    config = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 50, "hidden_size": 24,
+                                  "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    state = random_state_dict(config, seed=3)
+    assert {n: tuple(t.shape) for n, t in state.items()} == checkpoint_shapes(config)
+    assert sum(t.numel() for t in state.values()) == config.num_parameters
+    assert ("model.layers.1.self_attn.k_proj.bias" in state) == qkv_bias and ("lm_head.weight" in state) != tied
+    bad = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(41, 24)})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight has shape \(41, 24\), expected \(40, 24\)"):
+        build_model(config, bad, torch.float32, "cpu", 32)
+    with pytest.raises(ValueError, match="lacks 1 weight"):
+        build_model(config, {n: t for n, t in state.items() if n != "model.norm.weight"}, torch.float32, "cpu", 32)
+    build_model(config, state, torch.float32, "cpu", 32)
