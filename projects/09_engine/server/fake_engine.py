@@ -19,6 +19,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from kernel_lab.engine.block_manager import blocks_needed
 from kernel_lab.engine.interface import EngineStats
 from kernel_lab.engine.output_processor import OutputProcessor
 from kernel_lab.engine.outputs import RequestOutput
@@ -173,7 +174,7 @@ class FakeEngine:
     # ---------------------------------------------------------------- stepping
     def _blocks_needed(self, req: Request) -> int:
         longest = max(s.num_output_tokens for s in req.seqs) + 1
-        return req.params.n * -(-(len(req.prompt_token_ids) + longest) // self.block_size)
+        return req.params.n * blocks_needed(len(req.prompt_token_ids) + longest, self.block_size)
 
     @staticmethod
     def _release(seq: Sequence) -> None:
