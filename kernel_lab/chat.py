@@ -11,7 +11,8 @@ import shutil
 import sys
 import time
 
-from kernel_lab.cli import add_engine_arguments, add_sampling_arguments, engine_kwargs, sampling_params
+from kernel_lab.cli import add_sampling_arguments, sampling_params
+from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
 
 
 def seconds_since_process_start() -> float | None:
@@ -31,13 +32,13 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     parser.add_argument("--system", default=None, help="a system message for the chat template")
     add_sampling_arguments(parser, max_tokens=256)
-    add_engine_arguments(parser, max_num_seqs=8)
+    add_engine_arguments(parser, exclude=("seed",), max_num_seqs=8)  # --seed: the request's
 
 
 def run_generate(args) -> int:
     from kernel_lab.engine import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     if args.raw:
         prompt = args.prompt
     else:
@@ -65,7 +66,8 @@ def run_generate(args) -> int:
     decode_rate = (num_tokens - 1) / (end - first_token_at) if num_tokens > 1 and end > first_token_at else 0.0
     cold = f", {since_start:.2f} s after process start" if since_start is not None else ""
     print(f"[{num_tokens} tokens; first token {first_token_at - start:.2f} s after the request{cold}; "
-          f"{decode_rate:.1f} tok/s after it; {engine.device.type}, {str(engine.dtype).replace('torch.', '')}]",
+          f"{decode_rate:.1f} tok/s after it; {engine.config.device.type}, "
+          f"{str(engine.config.dtype).replace('torch.', '')}]",
           file=sys.stderr)
     return 0
 
@@ -85,7 +87,7 @@ DEMO_PROMPTS = [
 def add_demo_arguments(parser) -> None:
     parser.add_argument("--num-prompts", type=int, default=len(DEMO_PROMPTS))
     add_sampling_arguments(parser, max_tokens=160)
-    add_engine_arguments(parser, max_num_seqs=16)
+    add_engine_arguments(parser, exclude=("seed",), max_num_seqs=16)
 
 
 class _Panel:
@@ -128,11 +130,12 @@ class _Panel:
 def run_demo(args) -> int:
     from kernel_lab.engine import LLMEngine
 
-    engine = LLMEngine(args.model, **engine_kwargs(args))
+    engine = LLMEngine(**engine_kwargs(args))
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.num_prompts)]
     params = sampling_params(args)
     panel = _Panel(prompts, sys.stdout)
-    print(f"{engine.model_name} on {engine.device.type} ({str(engine.dtype).replace('torch.', '')}): "
+    config = engine.config
+    print(f"{config.model_name} on {config.device.type} ({str(config.dtype).replace('torch.', '')}): "
           f"{len(prompts)} chats at once, continuous batching, max {engine.scheduler.max_num_seqs} in flight")
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):

@@ -1,5 +1,6 @@
 """`kernel-lab` command line. Each subcommand lives in the module that owns its job; this file routes,
-imports lazily so `kernel-lab env` stays fast, and holds the engine and sampling flags several commands share.
+imports lazily so `kernel-lab env` stays fast, and holds the sampling flags several commands share (the engine's
+flags come from EngineConfig: kernel_lab.engine.arg_utils).
 
     kernel-lab generate "prompt"      stream text from the default model         (kernel_lab.chat)
     kernel-lab demo                   several chats at once, continuous batching (kernel_lab.chat)
@@ -49,33 +50,6 @@ def _run_env(args) -> int:
 
     print(json.dumps(environment_record(), indent=1))
     return 0
-
-
-def add_engine_arguments(parser, max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
-    from kernel_lab.engine.config import WEIGHT_CHOICES
-
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--max-model-len", type=int, default=max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                        help="CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
-                             "(auto: quantized where the model and the CPU allow it)")
-
-
-def engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=args.num_kv_blocks,
-                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                weights=args.weights)
 
 
 def add_sampling_arguments(parser, max_tokens: int) -> None:

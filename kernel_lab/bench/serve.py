@@ -5,8 +5,9 @@
         --random-input-len 64 --random-output-len 32 --num-prompts 64 --max-concurrency 1,4,16 \\
         --server-label kernel-lab --result-dir results/09_engine/serve
 
-Workload: `random` draws each request's input and output length uniformly from
-[len * (1 - range_ratio), len * (1 + range_ratio)]; `fixed` uses exactly --input-len / --output-len.
+Workload (the flags and length rule `bench throughput` shares, bench/workload.py): `random` draws each
+request's input and output length uniformly from [len * (1 - r), len * (1 + r)] for --random-range-ratio r
+(default 0, as vLLM's); `fixed` uses exactly --random-input-len / --random-output-len.
 Prompts are random token ids decoded to text with the model's tokenizer and re-encoded until they have
 the intended length, so every server sees the same text. Output lengths are enforced with `max_tokens`
 and `ignore_eos` (a vLLM extension both servers accept; pass --no-ignore-eos for servers that refuse it).
@@ -38,6 +39,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel_lab.harness.bench import quantile
+
+from .workload import add_workload_arguments, draw_length
+
 RECORD_TYPE = "serve_benchmark"
 RECORD_VERSION = 1
 PERCENTILES = (50, 90, 99)
@@ -52,41 +57,19 @@ class BenchRequest:
 
 
 def load_tokenizer(spec: str | None):
-    """A tokenizer with encode/decode/vocab_size: a tokenizer.json, a directory holding one, or (None)
-    the bundled default model's."""
+    """The engine's Tokenizer for a tokenizer.json, a directory holding one, or (None) the bundled default
+    model's."""
     from tokenizers import Tokenizer as Backend
+
+    from kernel_lab.models.gguf import export_hf_directory
+    from kernel_lab.models.tokenizer import Tokenizer
 
     if spec:
         path = Path(spec)
         if path.is_dir():
             path = path / "tokenizer.json"
-        return _BackendTokenizer(Backend.from_file(str(path)))
-    from kernel_lab.models.gguf import export_hf_directory
-    from kernel_lab.models.tokenizer import Tokenizer
-
+        return Tokenizer(Backend.from_file(str(path)))
     return Tokenizer.from_directory(export_hf_directory())
-
-
-class _BackendTokenizer:
-    def __init__(self, backend):
-        self.backend = backend
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def _special_ids(tokenizer) -> set[int]:
-    special = getattr(tokenizer, "all_special_ids", None)
-    if special is not None:
-        return set(special)
-    backend = getattr(tokenizer, "backend", None)
-    if backend is not None:
-        return {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
-    return set()
 
 
 def _prompt_of_length(tokenizer, rng: random.Random, length: int, candidates: list[int]) -> tuple[str, int]:
@@ -124,13 +107,12 @@ def build_workload(
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     ratio = range_ratio if dataset == "random" else 0.0
     rng = random.Random(seed)
-    special = _special_ids(tokenizer)
+    special = tokenizer.all_special_ids
     # Plain-text tokens only: skip special ids and the byte-level single-byte range at the bottom.
     candidates = [i for i in range(min(256, tokenizer.vocab_size // 2), tokenizer.vocab_size) if i not in special]
     requests = []
     for _ in range(num_prompts):
-        n_in = rng.randint(max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio))))
-        n_out = rng.randint(max(1, int(output_len * (1 - ratio))), max(1, int(output_len * (1 + ratio))))
+        n_in, n_out = draw_length(rng, input_len, ratio), draw_length(rng, output_len, ratio)
         text, actual = _prompt_of_length(tokenizer, rng, n_in, candidates)
         requests.append(BenchRequest(text, actual, n_out))
     return requests
@@ -292,14 +274,7 @@ async def run_benchmark(
 
 # ====================================================================== summary
 def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return quantile(sorted(values), q / 100.0) if values else 0.0
 
 
 def _stats_ms(values_s: list[float]) -> dict:
@@ -382,11 +357,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokenizer.json or a directory holding one (default: the bundled model's)",
     )
-    parser.add_argument("--dataset-name", default="random", choices=("random", "fixed"))
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128)
-    parser.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
-    parser.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=0.5)
+    add_workload_arguments(parser, num_prompts=64, input_len=128, output_len=32)
     parser.add_argument(
         "--request-rate",
         type=float,

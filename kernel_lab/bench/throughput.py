@@ -20,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernel_lab.cli import add_engine_arguments, engine_kwargs
+from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
+
+from .workload import add_workload_arguments, draw_length
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LLAMA_CPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
@@ -37,16 +39,9 @@ def add_bench_throughput_arguments(parser) -> None:
                              "VLLM_CPU_OMP_THREADS_BIND is set). Default: torch's default; all cores for llama.cpp")
     parser.add_argument("--llama-cpp-python", default=str(DEFAULT_LLAMA_CPP_PYTHON),
                         help="a Python with llama_cpp and numpy (default: .venv-llamacpp, `make llama-cpp-env`)")
-    parser.add_argument("--dataset-name", default="random", choices=["random", "fixed"],
-                        help="random: random token ids, lengths drawn within --range-ratio; fixed: exact lengths")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="random dataset: lengths uniform in [len*(1-r), len*(1+r)]")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser, num_prompts=32, input_len=128, output_len=128)
     parser.add_argument("--output-json", default=None, help="write the results as JSON to this file")
-    add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)
+    add_engine_arguments(parser, max_num_seqs=32, max_model_len=0)  # 0: the workload's longest; --seed seeds both
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: str, range_ratio: float,
@@ -55,21 +50,16 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, dataset: st
     marker in the prompt changes nothing for throughput, but keeps prompts ordinary text)."""
     rng = random.Random(seed)
     allowed = [t for t in range(vocab_size) if t not in special_ids]
-
-    def length(n):
-        if dataset == "fixed" or range_ratio <= 0:
-            return n
-        return rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))
-
-    return [([rng.choice(allowed) for _ in range(length(input_len))], length(output_len))
-            for _ in range(num_prompts)]
+    ratio = range_ratio if dataset == "random" else 0.0
+    return [([rng.choice(allowed) for _ in range(draw_length(rng, input_len, ratio))],
+             draw_length(rng, output_len, ratio)) for _ in range(num_prompts)]
 
 
 def _bench_kernel_lab(args, workload) -> dict:
     from kernel_lab.engine import LLMEngine, SamplingParams
 
     _set_torch_threads(args)
-    engine = LLMEngine(args.model, **engine_kwargs(args))
+    engine = LLMEngine(**engine_kwargs(args))
     # Warm-up outside the timing: first calls allocate and (on CUDA) compile.
     engine.add_request("warmup", workload[0][0][:8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -85,8 +75,8 @@ def _bench_kernel_lab(args, workload) -> dict:
     elapsed = time.perf_counter() - start
     import torch
 
-    return {"elapsed_time": elapsed, "generated": generated, "device": engine.device.type,
-            "dtype": str(engine.dtype).replace("torch.", ""), "stats": engine.stats(),
+    return {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
+            "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
             "threads": torch.get_num_threads()}
 
 
@@ -160,7 +150,7 @@ def _bench_vllm(args, workload) -> dict:
     dtype = "float32" if args.dtype == "auto" else args.dtype
     llm = VllmLLM(model=str(resolve_model_dir(args.model)), dtype=dtype, enforce_eager=True,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_caching,
+                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=args.enable_prefix_caching,
                   seed=args.seed)
 
     def params(n):

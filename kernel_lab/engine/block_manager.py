@@ -23,6 +23,10 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash is not None})"
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
@@ -47,7 +51,7 @@ class BlockManager:
         return len(self.free_list)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Chain hashes of the sequence's first `num_full_blocks` blocks (computed once, then reused)."""

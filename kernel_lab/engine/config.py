@@ -1,20 +1,20 @@
-"""EngineConfig: the engine's constructor arguments, validated, with device, dtypes and the KV pool size
-resolved. Everything that can be wrong with a configuration is found here, before any weight is loaded."""
+"""EngineConfig: the engine's constructor arguments, validated, with device and dtypes resolved. Everything
+that can be wrong with a configuration is found here, before any weight is loaded; it runs nothing and
+probes no kernel (the weight path is picked by model_loader.py, the KV pool sized by the ModelRunner)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kernel_lab.models.llama import ModelConfig
-from kernel_lab.models.loader import has_quantized_weights, load_config, resolve_model_dir
+from kernel_lab.models.config import ModelConfig
+from kernel_lab.models.loader import load_config, resolve_model_dir
 from kernel_lab.ops.kv_cache import FP8_DTYPE, SUPPORTED_BLOCK_SIZES, kv_cache_bytes
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-GRAPH_MEMORY_RESERVE_BYTES = 512 << 20
+from .block_manager import blocks_needed
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -53,33 +53,42 @@ def resolve_dtype(dtype, device: torch.device, hf_config: dict) -> torch.dtype:
     return resolved
 
 
+def _option(default, help_text: str, choices=None):
+    """A field that is also a command-line flag (arg_utils.add_engine_arguments)."""
+    return field(default=default, metadata={"help": help_text, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
     """`model`: None (the bundled SmolLM2-135M-Instruct), a GGUF file or Hugging Face directory, or a
     config.json as a dict (random weights, token-id prompts only). After construction `device`, `dtype` and
-    `kv_cache_dtype` hold torch objects and `max_num_batched_tokens` a number; `num_kv_blocks` is filled
-    by `resolve_num_kv_blocks` once the model is built (on CUDA the default depends on its activations).
+    `kv_cache_dtype` hold torch objects and `max_num_batched_tokens` a number. Two fields are filled in
+    later, by the parts that can know them: `weights` by model_loader.load_model (the path taken) and
+    `num_kv_blocks` by the ModelRunner (its default depends on the model's activations on CUDA).
 
     `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0 blocks (CPU, float32 activations, the C kernel
     of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto" (default) picks quantized
-    wherever it applies, the faster path in projects/09_engine's measurements. After construction it holds
-    the path taken."""
+    wherever it applies, the faster path in projects/09_engine's measurements."""
 
-    model: str | dict | None = None
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_dtype: str | torch.dtype = "auto"
-    enable_prefix_caching: bool = True
-    device: str | torch.device = "auto"
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    seed: int = 0
-    pad_decode_batches: bool = False
-    weights: str = "auto"
+    model: str | dict | None = _option(None, "Hugging Face directory or .gguf file (default: the bundled "
+                                             "SmolLM2-135M-Instruct)")
+    dtype: str | torch.dtype = _option("auto", "activation dtype: auto | float32 | bfloat16 | float16 (auto: float32 "
+                                               "on CPU, the checkpoint's half type on CUDA)")
+    max_model_len: int = _option(2048, "longest sequence, prompt and completion, in tokens")
+    max_num_seqs: int = _option(64, "sequences running at once")
+    max_num_batched_tokens: int | None = _option(None, "tokens per step (default: max(2048, max_num_seqs))")
+    block_size: int = _option(16, "tokens per KV-cache block", choices=SUPPORTED_BLOCK_SIZES)
+    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache dtype (auto: the activation dtype)",
+                                                choices=("auto", *_KV_DTYPES))
+    enable_prefix_caching: bool = _option(True, "share the KV blocks of common prompt prefixes")
+    device: str | torch.device = _option("auto", "auto | cpu | cuda")
+    num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: what the memory budget holds)")
+    gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use")
+    enforce_eager: bool = _option(False, "no CUDA graphs")
+    seed: int = _option(0, "seed of the engine's random stream (requests without a seed of their own)")
+    pad_decode_batches: bool = _option(False, "pad decode batches to the CUDA-graph sizes even without graphs")
+    weights: str = _option("auto", "CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
+                                   "(auto: quantized where the model and the CPU allow it)", choices=WEIGHT_CHOICES)
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
@@ -122,43 +131,18 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
-        self.weights = self._resolve_weights()
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < self.blocks_per_seq):
+            raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must hold at least one sequence of "
+                             f"max_model_len tokens: >= {self.blocks_per_seq} blocks of {self.block_size}")
 
-    def _resolve_weights(self) -> str:
-        if self.weights == "float32":
-            return "float32"
-        blocker = self._quantized_blocker()
-        if blocker and self.weights == "quantized":
-            raise ValueError(f"weights='quantized' is not possible here: {blocker}; use weights='float32' "
-                             "or 'auto'")
-        if blocker:
-            return "float32"
-        from kernel_lab.ops import gguf_linear
-
-        # auto picks the path measured faster (projects/09_engine/README.md): the vector kernels. The scalar
-        # C path is there so the quantized path runs anywhere, not for speed, and was never timed against
-        # oneDNN's float32 GEMMs, so auto leaves a CPU without AVX2 on float32.
-        if self.weights == "auto" and gguf_linear.kernel_isa() == "scalar":
-            return "float32"
-        return "quantized"
-
-    def _quantized_blocker(self) -> str | None:
-        """Why the quantized path cannot run, or None."""
-        if self.device.type != "cpu":
-            return f"it runs on the CPU and the device is {self.device.type}"
-        if self.dtype != torch.float32:
-            return f"it takes float32 activations and dtype is {str(self.dtype).replace('torch.', '')}"
-        if not has_quantized_weights(self.model_dir):
-            return "the model has no Q4_0, Q4_1 or Q8_0 GGUF tensors (it must be loaded from such a .gguf file)"
-        from kernel_lab.ops.gguf_linear import kernel_available
-
-        if not kernel_available():
-            return "the C kernel is unavailable (no C compiler, a failed build, or KERNEL_LAB_CPU_KERNELS=0)"
-        return None
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     @property
     def blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_needed(self.max_model_len, self.block_size)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -167,53 +151,6 @@ class EngineConfig:
     def kv_bytes_per_block(self) -> int:
         c = self.model_config
         return c.num_layers * kv_cache_bytes(1, self.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype)
-
-    def resolve_num_kv_blocks(self, model) -> int:
-        """Fill in `num_kv_blocks` (default: what every running sequence can use at full length, within
-        the memory budget) and check that one sequence of max_model_len tokens fits."""
-        if self.num_kv_blocks is None:
-            self.num_kv_blocks = self._default_num_kv_blocks(model)
-        if not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < self.blocks_per_seq:
-            raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must hold at least one sequence of "
-                             f"max_model_len tokens: >= {self.blocks_per_seq} blocks of {self.block_size}")
-        return self.num_kv_blocks
-
-    def _default_num_kv_blocks(self, model) -> int:
-        per_block = self.kv_bytes_per_block()
-        useful = self.max_num_seqs * self.blocks_per_seq + 1
-        if self.device.type == "cpu":
-            budget = int(float(os.environ.get("KERNEL_LAB_CPU_KV_CACHE_GB", 0)) * (1 << 30)) \
-                or DEFAULT_CPU_KV_CACHE_BYTES
-            return max(self.blocks_per_seq, min(useful, budget // per_block))
-        activation_peak = self._profile_activations(model)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.gpu_memory_utilization) - (total - free) - activation_peak \
-            - GRAPH_MEMORY_RESERVE_BYTES
-        if budget < per_block * self.blocks_per_seq:
-            raise ValueError(f"not enough GPU memory for the KV cache of one {self.max_model_len}-token sequence "
-                             f"(budget {budget / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_model_len")
-        return min(useful, budget // per_block)
-
-    @torch.inference_mode()
-    def _profile_activations(self, model) -> int:
-        """Peak extra memory of the largest eager step: one prefill chunk of max_num_batched_tokens."""
-        from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
-
-        c, num_tokens = self.model_config, self.max_num_batched_tokens
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        dummy = torch.empty((1, self.block_size, c.num_kv_heads, c.head_dim), dtype=self.dtype, device=self.device)
-        caches = [LayerKVCache(dummy, dummy)] * c.num_layers
-        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)  # write nothing
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, num_tokens, 0)])
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
-        model.compute_logits(model(ids, positions, caches, meta)[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        return peak
 
 
 def _model_name(model, model_dir: Path | None) -> str:

@@ -20,8 +20,8 @@ def _is_conversation(x) -> bool:
 
 
 class LLM:
-    """`LLM(model=None, dtype="auto", max_model_len=2048, max_num_seqs=64, block_size=16, kv_cache_dtype="auto",
-    enable_prefix_caching=True, device="auto", ...)`; every keyword goes to LLMEngine."""
+    """`LLM(model=None, **options)`: the options are EngineConfig's fields (`kernel-lab generate --help`
+    lists them with their defaults); every keyword goes to LLMEngine."""
 
     def __init__(self, model=None, **engine_kwargs):
         self.engine = LLMEngine(model, **engine_kwargs)

@@ -4,21 +4,19 @@
                                                         (BlockManager: blocks, prefix cache)
     step() returns a RequestOutput for every request that produced tokens or finished in that step.
 
-The configuration is checked by EngineConfig (config.py); tokens become text, stop conditions and outputs
-in OutputProcessor (output_processor.py). The engine is single-threaded; the server drives it from one
-dedicated thread.
+The configuration is checked by EngineConfig (config.py) and passed whole; model_loader.py loads the model;
+tokens become text, stop conditions and outputs in OutputProcessor (output_processor.py). The engine is
+single-threaded; the server drives it from one dedicated thread.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from kernel_lab.models.llama import build_model, random_state_dict
-from kernel_lab.models.loader import load_quantized_weights, load_state_dict
-from kernel_lab.models.tokenizer import TokenIdsOnly, Tokenizer
-
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .interface import EngineStats
+from .model_loader import load_model
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -32,27 +30,11 @@ class LLMEngine:
 
     def __init__(self, model=None, **options):
         self.config = config = EngineConfig(model, **options)
-        self.model_dir, self.model_config, self.model_name = config.model_dir, config.model_config, config.model_name
-        self.device, self.dtype, self.kv_cache_dtype = config.device, config.dtype, config.kv_cache_dtype
-        self.max_model_len, self.block_size = config.max_model_len, config.block_size
-        if self.model_dir is None:
-            self.tokenizer = TokenIdsOnly(config.hf_config)
-            weights = random_state_dict(self.model_config, self.dtype, self.device, seed=config.seed)
-        else:
-            self.tokenizer = Tokenizer.from_directory(self.model_dir)
-            quantized = load_quantized_weights(self.model_dir) if config.weights == "quantized" else {}
-            weights = {**load_state_dict(self.model_dir, skip=quantized), **quantized}
-        model_obj = build_model(self.model_config, weights, self.dtype, self.device, self.max_model_len)
-        num_kv_blocks = config.resolve_num_kv_blocks(model_obj)
-        self.runner = ModelRunner(
-            model_obj, self.model_config, device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size, num_blocks=num_kv_blocks, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, use_cuda_graphs=config.use_cuda_graphs,
-            pad_decode_batches=config.pad_decode_batches, seed=config.seed,
-        )
-        self.block_manager = BlockManager(num_kv_blocks, self.block_size, config.enable_prefix_caching)
+        model, self.tokenizer = load_model(config)
+        self.runner = ModelRunner(config, model)    # sizes the KV pool: config.num_kv_blocks
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler.finish)
+        self.output_processor = OutputProcessor(self.tokenizer, config.max_model_len, self.scheduler.finish)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
@@ -67,7 +49,7 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
+            vocab = self.config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
@@ -75,8 +57,9 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty (it has no tokens)")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, longer than max_model_len {self.max_model_len}")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long, longer than max_model_len "
+                             f"{self.config.max_model_len}")
         return text, ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -118,25 +101,23 @@ class LLMEngine:
             self.output_processor.append_token(result)
             touched[result.seq.request.request_id] = result.seq.request
         self.num_generated_tokens += len(results)
-        outputs = [self.output_processor.make_output(r) for r in touched.values()]
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+            out = self.output_processor.make_output(request)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     # ------------------------------------------------------------------------------------------- stats
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_kv_blocks_total": bm.num_blocks,
-            "num_kv_blocks_free": bm.num_free_blocks,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_generated_tokens": self.num_generated_tokens,
-            "weights": self.config.weights,
-            "weight_bytes": self.runner.model.decode_weight_bytes(),
-            "resident_weight_bytes": self.runner.model.resident_weight_bytes(),
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+            weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
+            resident_weight_bytes=self.runner.model.resident_weight_bytes(),
+        )

@@ -1,36 +1,32 @@
 """Runs one scheduled step on the device: builds the flat batch (token ids, positions, slot_mapping, block
-tables), runs the model (eagerly, or by replaying a CUDA graph for decode-only steps), and samples. It owns
-the paged KV cache. The design: projects/09_engine/README.md, "Paged KV cache", "The step on the device"
-and "CUDA".
+tables), runs the model (eagerly, or by replaying a CUDA graph for decode-only steps), and samples
+(sampler.py). It sizes and owns the paged KV cache: the default pool is what the memory budget holds after
+the model's largest step, which only the runner can run. The design: projects/09_engine/README.md, "Paged
+KV cache", "The step on the device" and "CUDA".
 """
 
 from __future__ import annotations
 
-import random
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
-from kernel_lab.models.llama import ModelConfig, QuantizedLinear
+from kernel_lab.models.layers.linear import QuantizedLinear
 from kernel_lab.ops.cpu_kernels import load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
+from .config import EngineConfig
+from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-
-@dataclass
-class SampleResult:
-    seq: Sequence
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
-    rank: int | None = None                                # the sampled token's rank (1 = most likely)
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+GRAPH_MEMORY_RESERVE_BYTES = 512 << 20
 
 
 @dataclass
@@ -51,22 +47,19 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
-                 kv_cache_dtype: torch.dtype, block_size: int, num_blocks: int, max_model_len: int,
-                 max_num_seqs: int, use_cuda_graphs: bool, pad_decode_batches: bool = False, seed: int = 0):
-        self.model = model
-        self.config = config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.max_num_seqs = max_num_seqs
-        self.rng = random.Random(seed)
+    """Fills in `config.num_kv_blocks` when it is None."""
+
+    def __init__(self, config: EngineConfig, model):
+        self.config, self.model = config, model
+        device = self.device = config.device    # the two facts every step reads
+        self.block_size = config.block_size
+        self.sampler = Sampler(config.seed, self._to_device)
         self._staging: dict[str, torch.Tensor] = {}
         self._copies_done = None
-        self._allocate_kv_cache(kv_cache_dtype)
+        if config.num_kv_blocks is None:
+            config.num_kv_blocks = self._default_num_kv_blocks()
+        self.num_blocks = config.num_kv_blocks
+        self._allocate_kv_cache(config.kv_cache_dtype)
         # On CPU every token, prompt tokens too, attends through the paged decode kernel, one query at a time
         # over its own context. A row's result then depends on nothing else in the step: not the batch, the
         # chunking or the prefix cache, so a seeded request reproduces exactly. Prefill attention through
@@ -74,20 +67,57 @@ class ModelRunner:
         # quantized weights turn that into visibly different logits. The cost is small next to the linear
         # layers on a CPU; on CUDA, prefill keeps SDPA's flash kernel.
         self.quantized_weights = any(isinstance(m, QuantizedLinear) for m in model.modules())
-        self.prompt_tokens_decode = (device.type == "cpu" and dtype == kv_cache_dtype == torch.float32
+        self.prompt_tokens_decode = (device.type == "cpu" and config.dtype == config.kv_cache_dtype == torch.float32
                                      and load_library() is not None)
 
-        self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        self.max_num_seqs = config.max_num_seqs
+        self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < self.max_num_seqs} | {self.max_num_seqs})
         self.graphs: dict[int, tuple] = {}
-        self.static_decode = use_cuda_graphs or pad_decode_batches
+        self.static_decode = config.use_cuda_graphs or config.pad_decode_batches
         if self.static_decode:
             self._allocate_static_buffers()
-        if use_cuda_graphs:
+        if config.use_cuda_graphs:
             self._capture_graphs()
 
     # ------------------------------------------------------------------------------------------- memory
+    def _default_num_kv_blocks(self) -> int:
+        """What every running sequence can use at full length, within the memory budget."""
+        config, per_seq = self.config, self.config.blocks_per_seq
+        per_block, useful = config.kv_bytes_per_block(), config.max_num_seqs * per_seq + 1
+        if self.device.type == "cpu":
+            budget = int(float(os.environ.get("KERNEL_LAB_CPU_KV_CACHE_GB", 0)) * (1 << 30)) \
+                or DEFAULT_CPU_KV_CACHE_BYTES
+            return max(per_seq, min(useful, budget // per_block))
+        activation_peak = self._profile_activations()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_peak \
+            - GRAPH_MEMORY_RESERVE_BYTES
+        if budget < per_block * per_seq:
+            raise ValueError(f"not enough GPU memory for the KV cache of one {config.max_model_len}-token sequence "
+                             f"(budget {budget / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_model_len")
+        return min(useful, budget // per_block)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak extra memory of the largest eager step: one prefill chunk of max_num_batched_tokens."""
+        config, c, num_tokens = self.config, self.config.model_config, self.config.max_num_batched_tokens
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        dummy = torch.empty((1, self.block_size, c.num_kv_heads, c.head_dim), dtype=config.dtype, device=self.device)
+        caches = [LayerKVCache(dummy, dummy)] * c.num_layers
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)  # write nothing
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, num_tokens, 0)])
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % config.max_model_len
+        self.model.compute_logits(self.model(ids, positions, caches, meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return peak
+
     def _allocate_kv_cache(self, cache_dtype: torch.dtype) -> None:
-        c = self.config
+        c = self.config.model_config
         shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         # Uninitialised on purpose (a large cache would take seconds to zero on CPU): a slot is only read
         # after it was written, and the attention ops zero out positions past each sequence's length.
@@ -164,7 +194,7 @@ class ModelRunner:
             self._copies_done.synchronize()
         with kernel_threads(torch.get_num_threads()) if self.quantized_weights else nullcontext():
             logits, sample_seqs = self.run_model(items, fresh_blocks)
-            results = self._sample(logits, sample_seqs)
+            results = self.sampler.sample(logits, sample_seqs)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -219,7 +249,7 @@ class ModelRunner:
         self.static_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.static_positions = torch.zeros(b, dtype=torch.int64, device=dev)
         self.static_slots = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        self.static_tables = torch.zeros((b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.static_tables = torch.zeros((b, self.config.blocks_per_seq), dtype=torch.int32, device=dev)
         self.static_lens = torch.zeros(b, dtype=torch.int32, device=dev)
 
     def _static_meta(self, size: int) -> AttentionMetadata:
@@ -239,7 +269,7 @@ class ModelRunner:
         n = len(decodes)
         size = self._bucket(n)
         pad = size - n
-        tables, lens = self._query_tables(step.row_seqs, positions, self.max_blocks_per_seq)
+        tables, lens = self._query_tables(step.row_seqs, positions, self.config.blocks_per_seq)
         # Padding rows write nothing (slot -1) and attend to nothing (length 0).
         self.static_ids[:size].copy_(self._to_device("ids", input_ids + [0] * pad, torch.int64), non_blocking=True)
         self.static_positions[:size].copy_(self._to_device("positions", positions + [0] * pad, torch.int64),
@@ -267,55 +297,3 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
-
-    # ------------------------------------------------------------------------------------------- sampling
-    def _step_seed(self, seq: Sequence) -> int:
-        """Seeded requests: a seed from (request seed, completion index, position), so the same request
-        gives the same tokens whatever it is batched with. Others: the engine's random stream."""
-        seed = seq.params.seed
-        if seed is None:
-            return self.rng.getrandbits(63)
-        return hash((seed, seq.index, seq.num_output_tokens)) & ((1 << 63) - 1)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        if not seqs:
-            return []
-        params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            from kernel_lab import ops
-
-            tokens = ops.sample(
-                logits,
-                self._to_device("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
-                top_k=self._to_device("top_k", [max(p.top_k, 0) for p in params], torch.int32),
-                top_p=self._to_device("top_p", [p.top_p for p in params], torch.float32),
-                seed=self._to_device("seed", [self._step_seed(s) for s in seqs], torch.int64),
-            )
-        want = [p.logprobs for p in params]
-        if all(w is None for w in want):
-            return [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
-        return self._with_logprobs(logits, tokens, seqs, want)
-
-    def _with_logprobs(self, logits, tokens, seqs, want) -> list[SampleResult]:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])                                    # [S, 1]
-        ranks = (logprobs > chosen).sum(dim=1) + 1
-        k = max(w or 0 for w in want)
-        if k:
-            from kernel_lab import ops
-
-            top_vals, top_ids = ops.topk(logprobs, k)
-        # One host read for everything.
-        tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist()
-        top_vals_l = top_vals.tolist() if k else None
-        top_ids_l = top_ids.tolist() if k else None
-        results = []
-        for i, seq in enumerate(seqs):
-            r = SampleResult(seq, tokens_l[i])
-            if want[i] is not None:
-                r.logprob, r.rank = chosen_l[i], ranks_l[i]
-                r.top_logprobs = list(zip(top_ids_l[i][:want[i]], top_vals_l[i][:want[i]], strict=True)) if k else []
-            results.append(r)
-        return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -14,11 +15,14 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """`text`, `token_ids` and `logprobs` are cumulative, or only this output's new part when the request
+    asked for RequestOutputKind.DELTA (then they are the same objects as `new_text` / `new_token_ids`)."""
+
     index: int                                  # which of the request's n completions
-    text: str                                   # cumulative text
-    token_ids: list[int]                        # cumulative generated ids
+    text: str
+    token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None   # one dict per generated token, when requested
+    logprobs: list[dict[int, Logprob]] | None   # one dict per token of token_ids, when requested
     finish_reason: str | None = None            # None (running), "stop" or "length"
     stop_reason: int | str | None = None        # the stop string or stop token id that ended it, if any
     new_token_ids: list[int] = field(default_factory=list)   # generated since the previous output
@@ -37,3 +41,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Consecutive DELTA outputs of one request as one, in time linear in their total size."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    merged = []
+    for index in sorted({c.index for d in deltas for c in d.outputs}):
+        parts = [c for d in deltas for c in d.outputs if c.index == index]
+        text = "".join(c.text for c in parts)
+        token_ids = list(itertools.chain.from_iterable(c.token_ids for c in parts))
+        logprobs = None if parts[-1].logprobs is None else list(itertools.chain.from_iterable(
+            c.logprobs or () for c in parts))
+        merged.append(CompletionOutput(index, text, token_ids, parts[-1].cumulative_logprob, logprobs,
+                                       parts[-1].finish_reason, parts[-1].stop_reason, token_ids, text))
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged, last.finished,
+                         last.num_cached_tokens)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from enum import Enum
+
+from kernel_lab.ops.sampling_rules import BOUNDS, RULES, satisfies
+
+SAMPLING_BOUNDS = BOUNDS  # for the layers above, which may not import ops
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 MAX_LOGPROBS = 20
@@ -11,6 +15,19 @@ MAX_LOGPROBS = 20
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class RequestOutputKind(Enum):
+    """What each of a request's outputs holds (vLLM's): everything so far, only what is new since the
+    previous output (so a long stream costs each step only its new tokens), or one output at the end."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -25,7 +42,8 @@ class SamplingParams:
     - ignore_eos: keep going past the model's EOS tokens.
     - logprobs: return the log-probabilities of this many most likely tokens (and of the sampled one) at
       every step; the values come from the model's raw logits (before temperature, top-k and top-p).
-    - detokenize: produce text (off: token ids only, as vLLM's detokenize=False; stop strings need it)."""
+    - detokenize: produce text (off: token ids only, as vLLM's detokenize=False; stop strings need it).
+    - output_kind: cumulative outputs every step (default), deltas, or only the final output."""
 
     n: int = 1
     temperature: float = 1.0
@@ -40,20 +58,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        self.temperature = float(self.temperature)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.top_p = float(self.top_p)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        for name, integer in (("temperature", False), ("top_p", False), ("top_k", True)):
+            value = getattr(self, name)
+            if not (_is_int if integer else _is_number)(value) or not satisfies(name, value):
+                raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {RULES[name]}, "
+                                 f"got {value!r}")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -70,6 +86,8 @@ class SamplingParams:
         self.stop_token_ids = ids
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

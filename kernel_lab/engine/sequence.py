@@ -37,15 +37,9 @@ class Sequence:
         self.num_committed_blocks = 0           # leading blocks registered in the prefix cache
         self.num_cached_tokens = 0              # prefix-cache hit at the latest admission
         self.num_preemptions = 0
-        # output state
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.text = ""
-        self.emitted_text_len = 0
-        self.emitted_token_count = 0
-        self.cumulative_logprob: float | None = None
-        self.logprobs: list | None = None
-        self.detokenizer = None
+        self.output = None                      # the OutputProcessor's text and logprob state
 
     @property
     def params(self) -> SamplingParams:

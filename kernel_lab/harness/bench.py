@@ -35,7 +35,9 @@ class Timing:
         return asdict(self)
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
+def quantile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile (q in [0, 1]) of sorted values, interpolating linearly between closest ranks (numpy's
+    default)."""
     if len(sorted_values) == 1:
         return sorted_values[0]
     pos = q * (len(sorted_values) - 1)
@@ -48,8 +50,8 @@ def summarize(samples_ms: Sequence[float], method: dict) -> Timing:
     s = sorted(samples_ms)
     return Timing(
         median_ms=statistics.median(s),
-        p20_ms=_quantile(s, 0.2),
-        p80_ms=_quantile(s, 0.8),
+        p20_ms=quantile(s, 0.2),
+        p80_ms=quantile(s, 0.8),
         min_ms=s[0],
         samples=len(s),
         method=method,

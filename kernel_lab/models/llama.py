@@ -1,4 +1,4 @@
-"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) built on `kernel_lab.ops`.
+"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) built on `kernel_lab.ops` and `layers/`.
 
     x = embed(ids)
     for each layer:  h = x + o_proj(attention(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_norm(x))
@@ -13,219 +13,64 @@ as GGUF blocks (`QuantizedWeight`, the engine's weights="quantized" on CPU) is o
 load: `QuantizedLinear` computes on the blocks, and the embedding table (tied to lm_head in SmolLM2) is read
 through them too.
 Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM.
+
+The checkpoint's tensor names and shapes are one table, `checkpoint_shapes`: loading checks a state dict
+against it, random weights are drawn from it and the parameter count sums it. A Llama-shaped family is a
+subclass here (or a file with its own table) and an entry in MODEL_CLASSES.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernel_lab import ops
-from kernel_lab.ops.gguf_linear import PackedWeight, QuantizedWeight, dequantize_rows, gguf_linear, pack
+from kernel_lab.ops.gguf_linear import QuantizedWeight
 
 from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
+from .config import ModelConfig
+from .layers.linear import Embedding, Linear, QuantizedLinear, linear_for, param, weight_bytes
+from .layers.rotary import RotaryEmbedding, apply_rope
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_hf(cls, config: dict) -> ModelConfig:
-        from .loader import SUPPORTED_ARCHITECTURES
-
-        arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unsupported model architecture {config.get('architectures')!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = int(config["num_attention_heads"])
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.get('hidden_act')!r} (only silu)")
-        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-        return cls(
-            architecture=arch,
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            sliding_window=int(window) if window else None,
-        )
-
-    @property
-    def num_parameters(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        per_layer = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * h * i + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint for `config`, by its Hugging Face name, with its shape."""
+    h, d, inter, vocab = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (vocab, h)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    shapes["model.norm.weight"] = (h,)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if config.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
 
 
-# ------------------------------------------------------------------------------------------------ RoPE
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotary frequencies, computed as transformers computes them (so fp32 results match)."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(
-            scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling {scaling!r} (supported: default, linear, llama3)")
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    return list(checkpoint_shapes(config))
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style ("rotate half") RoPE with a precomputed cos/sin table indexed by position."""
-
-    def __init__(self, config: ModelConfig, max_positions: int, device):
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(config)[None, :]       # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                           # [P, D]
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of the batch's positions: looked up once per forward, used by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> a rotated copy (computed in fp32, returned in x's dtype)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------ layers
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
-
-
-# The row count oneDNN's blocked layout is chosen for. A/B runs of the model's projection shapes gave about the
-# same speed for hints 2..32 at 2..512 rows; any hint >= 2 gives the blocked (not the row-major) layout.
-BLOCKED_ROWS_HINT = 8
-
-
-def _onednn_blocked_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` reordered once into oneDNN's blocked layout, or None where that path does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_ROWS_HINT)
-    except (RuntimeError, AttributeError):  # a torch build without the op: F.linear everywhere
-        return None
-
-
-class Linear(nn.Module):
-    """y = x @ weight.T (+ bias), weight [out, in] (it may stack several projections' rows).
-
-    CUDA: F.linear. CPU, float32: a single row runs MKL's GEMV on the row-major weight; two or more rows run
-    oneDNN on a copy of the weight reordered once, at load, into oneDNN's blocked layout (vLLM's CPU
-    backend also prepacks with oneDNN). In A/B runs of the model's shapes on one core, the blocked copy was
-    faster from 2 rows up and slower for a single row, whose GEMV only streams the weight once
-    (projects/09_engine/README.md). The price is a second copy of each projection weight on CPU.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
-        self.bias = None if bias is None else _param(bias)
-        self.blocked = _onednn_blocked_weight(self.weight)   # not a buffer: an opaque oneDNN tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is None or x.shape[0] < 2:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, self.bias, "none", [], "")
-
-
-class QuantizedLinear(nn.Module):
-    """y = x @ W.T (+ bias) with W in GGUF blocks, packed once into the kernel's 8-row tiles
-    (ops/gguf_linear.py). CPU, float32 activations."""
-
-    def __init__(self, weight: QuantizedWeight | PackedWeight, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.packed = pack(weight) if isinstance(weight, QuantizedWeight) else weight
-        self.bias = None if bias is None else _param(bias)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.packed.nbytes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(x, self.packed, self.bias, validate=False)
-
-
-class Embedding(nn.Module):
-    """Rows of the token table: float32 (`table`), or GGUF blocks dequantized row by row (`packed`)."""
-
-    def __init__(self, table: torch.Tensor | QuantizedWeight):
-        super().__init__()
-        if isinstance(table, QuantizedWeight):
-            self.packed, self.table = pack(table), None
-        else:
-            self.packed, self.table = None, table if isinstance(table, nn.Parameter) else _param(table)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.table is not None:
-            return F.embedding(ids, self.table)
-        return dequantize_rows(self.packed, ids)
-
-
-def linear_for(parts: list, bias: torch.Tensor | None = None) -> nn.Module:
-    """One layer for the row-stacked `parts`: QuantizedLinear when all are GGUF blocks of one format, else a
-    float32 `Linear` (a block format mixed with another is dequantized)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.ggml_type for p in parts}) == 1:
-        return QuantizedLinear(QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0], bias)
-    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
-    return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)
-
-
-def weight_bytes(layer: nn.Module) -> int:
-    """Bytes of weights a forward pass of `layer` reads."""
-    if isinstance(layer, QuantizedLinear):
-        return layer.weight_bytes
-    return layer.weight.numel() * layer.weight.element_size()
+def check_checkpoint(config: ModelConfig, state_dict: dict) -> None:
+    """Every tensor the table names is there, with its shape (GGUF blocks carry theirs)."""
+    shapes = checkpoint_shapes(config)
+    missing = [n for n in shapes if n not in state_dict]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of a {config.architecture}, "
+                         f"e.g. {missing[:3]}")
+    wrong = [(n, tuple(state_dict[n].shape), s) for n, s in shapes.items() if tuple(state_dict[n].shape) != s]
+    if wrong:
+        name, got, want = wrong[0]
+        raise ValueError(f"{name} has shape {got}, expected {want} for this config ({len(wrong)} tensor(s) differ)")
 
 
 class DecoderLayer(nn.Module):
@@ -235,8 +80,8 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.input_norm = _param(weights["input_layernorm.weight"])
-        self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
+        self.input_norm = param(weights["input_layernorm.weight"])
+        self.post_attention_norm = param(weights["post_attention_layernorm.weight"])
         self.qkv_proj = linear_for([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"],
                                    torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
                                    if config.qkv_bias else None)
@@ -274,10 +119,7 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device, max_positions: int):
         super().__init__()
         self.config = config
-        missing = [n for n in expected_weight_names(config) if n not in state_dict]
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of a {config.architecture}, "
-                             f"e.g. {missing[:3]}")
+        check_checkpoint(config, state_dict)
 
         def take(name):  # move one tensor at a time, so peak memory stays near one copy of the model
             value = state_dict.pop(name)
@@ -291,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{i}."
             names = [n for n in list(state_dict) if n.startswith(prefix)]
             self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}))
-        self.norm = _param(take("model.norm.weight"))
+        self.norm = param(take("model.norm.weight"))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
             # tied: the same parameter (plus its blocked copy on CPU), or the same packed blocks
             self.lm_head = (Linear(self.embed.table) if self.embed.table is not None
@@ -344,19 +186,6 @@ MODEL_CLASSES = {
 }
 
 
-def expected_weight_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{p}.weight" for p in parts]
-        if config.qkv_bias:
-            names += [f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
-
-
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device,
                 max_positions: int) -> LlamaForCausalLM:
     """The decoder for `config`, taking (and emptying) `state_dict`."""
@@ -370,31 +199,11 @@ def random_state_dict(config: ModelConfig, dtype=torch.float32, device="cpu", se
     scale through many layers."""
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
-    h, d = config.hidden_size, config.head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (config.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, config.num_heads * d),
-            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            p + "mlp.up_proj.weight": (config.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, config.intermediate_size),
-        })
-        if config.qkv_bias:
-            for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads), ("v", config.num_kv_heads)):
-                shapes[p + f"self_attn.{name}_proj.bias"] = (heads * d,)
     state = {}
-    for name, shape in shapes.items():
+    for name, shape in checkpoint_shapes(config).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+            continue
         scale = 1.0 if "embed" in name else (shape[-1] ** -0.5 if len(shape) == 2 else 0.02)
-        t = torch.empty(shape, dtype=dtype, device=device)
-        state[name] = t.normal_(0.0, scale, generator=g)
-    ones = {"model.norm.weight"} | {f"model.layers.{i}.{n}.weight" for i in range(config.num_layers)
-                                    for n in ("input_layernorm", "post_attention_layernorm")}
-    for name in ones:
-        state[name] = torch.ones(h, dtype=dtype, device=device)
+        state[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, scale, generator=g)
     return state

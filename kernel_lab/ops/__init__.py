@@ -1,7 +1,5 @@
-"""The public kernels. Each op validates its inputs, then follows the dispatch rule in `common.py`:
-CUDA tensors run the GPU kernel; CPU tensors run the PyTorch reference, or the Triton kernel through the
-interpreter when TRITON_INTERPRET=1. One exception: fp32 `paged_decode_attention` on CPU runs a plain-C
-kernel (`cpu_kernels.py`) when a C compiler is available, since the reference copies every page."""
+"""The public kernels. Each op validates its inputs, then runs the path the dispatch rule picks for its
+tensors' device (the rule: docs/architecture.md, "The dispatch rule"; each op states its own paths)."""
 
 from .gemm import matmul
 from .kv_cache import allocate_kv_cache, write_kv

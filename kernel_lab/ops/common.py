@@ -1,8 +1,6 @@
-"""The dispatch rule and the input checks shared by every op.
-
-Dispatch rule (docs/architecture.md): CUDA tensors run the GPU kernel. CPU tensors run the PyTorch
-reference, unless TRITON_INTERPRET=1 is set, in which case Triton kernels run through the interpreter.
-The variable is read at call time, so a test can switch a CPU caller back to the reference path.
+"""What every op shares: `use_triton` (whether a tensor goes to a Triton kernel: on CUDA, or on the CPU under
+TRITON_INTERPRET=1, read at call time) and the input checks and views. Which path each op takes on which
+device is the dispatch rule of docs/architecture.md, "The dispatch rule"; each op's docstring states its own.
 """
 
 from __future__ import annotations
@@ -80,12 +78,22 @@ def check_out(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype
         raise ValueError(f"{name} is on {out.device}, expected {device}")
 
 
-def rows_view(x: torch.Tensor) -> torch.Tensor | None:
-    """View `x[..., H]` as 2-D `[rows, H]` without copying, or None when the leading dims cannot be
-    flattened into one stride (then the caller copies)."""
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
+def rows_view(x: torch.Tensor, unit_stride: bool = False) -> torch.Tensor | None:
+    """View `x[..., H]` as 2-D `[rows, H]` without copying (with unit stride in H if `unit_stride`), or None
+    where no such view exists (then the caller copies, or takes another path)."""
+    if x.dim() == 0:
         return None
+    if x.dim() != 2:
+        try:
+            x = x.view(-1, x.shape[-1])
+        except RuntimeError:
+            return None
+    if unit_stride and x.stride(-1) != 1 and x.shape[-1] > 1:
+        return None
+    return x
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x[..., H]` as `[rows, H]` with unit stride in H: a view where one exists, else a copy."""
+    view = rows_view(x, unit_stride=True)
+    return view if view is not None else x.contiguous().view(-1, x.shape[-1])

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .common import rows_view
+
 CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 SOURCE = CSRC_CPU / "paged_decode_attention.c"
 GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
@@ -245,14 +247,9 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """`t` as float32 CPU rows [R, H] with unit stride in H, without copying; None where it is not that."""
-    if t is None or not t.is_cpu or t.dtype != torch.float32 or t.dim() == 0:  # is_cpu: the cheap test
+    if t is None or not t.is_cpu or t.dtype != torch.float32:  # is_cpu: the cheap test
         return None
-    if t.dim() != 2:
-        try:
-            t = t.view(-1, t.shape[-1])
-        except RuntimeError:
-            return None
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else None
+    return rows_view(t, unit_stride=True)
 
 
 def add_rms_norm_cpu(x, residual, weight, eps: float, out, residual_out) -> bool:

@@ -12,7 +12,15 @@ import triton
 import triton.language as tl
 
 from . import cpu_kernels
-from .common import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor, rows_view, use_triton
+from .common import (
+    FLOAT_DTYPES,
+    as_rows,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    rows_view,
+    use_triton,
+)
 
 FUSED_MAX_H = 16384  # above this the looped kernel is used; see compile tests for the spill-free proof
 LOOP_CHUNK = 4096
@@ -215,14 +223,6 @@ def _validate(x, weight, eps, residual=None, variant="auto"):
     check_same_device(x=x, weight=weight, residual=residual)
 
 
-def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    """2-D row view with unit stride in the last dim; copies only when no such view exists."""
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        t = t.contiguous()
-    view = rows_view(t)
-    return view if view is not None else t.reshape(-1, t.shape[-1])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None, *,
              variant: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., H] fp16/bf16/fp32; weight: [H]. Returns x's dtype.
@@ -238,7 +238,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torc
     if not use_triton(x):
         y, _ = _rms_norm_cpu(x, weight, eps)
         return out.copy_(y) if out is not None else y
-    x2 = _as_rows("x", x)
+    x2 = as_rows(x)
     result = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = rows_view(result)
     if out2 is None:  # caller's out has unmergeable leading strides: compute into a temporary
@@ -257,7 +257,7 @@ def fused_add_rms_norm(
     _validate(x, weight, eps, residual, variant)
     if not use_triton(x):
         return _rms_norm_cpu(x, weight, eps, residual)
-    x2, r2 = _as_rows("x", x), _as_rows("residual", residual)
+    x2, r2 = as_rows(x), as_rows(residual)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x2, r2, weight, normed.view(-1, x.shape[-1]), new_residual.view(-1, x.shape[-1]), float(eps),

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, use_triton
+from .sampling_rules import RULES, satisfies
 
 MAX_VOCAB = 262144
 MAX_K = 1024
@@ -676,12 +677,9 @@ def sample(logits: torch.Tensor, temperature, top_k=None, top_p=None, seed=None)
 
 
 def _check_values(temperature, top_k, top_p) -> None:
-    if not bool(torch.isfinite(temperature).all()) or bool((temperature < 0).any()):
-        raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
-    if top_k is not None and bool((top_k < -1).any()):
-        raise ValueError("top_k must be >= -1 (0 or -1 means off)")
-    if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
-        raise ValueError("top_p must be in (0, 1] (1.0 means off)")
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if value is not None and not bool(satisfies(name, value).all()):
+            raise ValueError(f"{name} must be {RULES[name]}")
 
 
 # --------------------------------------------------------------------------------------------- AOT specs

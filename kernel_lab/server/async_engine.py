@@ -1,13 +1,15 @@
 """One engine loop on its own thread, fed by thread-safe queues, feeding asyncio streams.
 
-The engine (kernel_lab.engine.LLMEngine or anything with the same surface) is single-threaded. It is built
-and stepped on one dedicated thread, which owns it outright. Request handlers on the event loop never call
-it: they put `add`/`abort` commands on a `queue.SimpleQueue`, which the engine thread drains between steps.
-After each step the engine thread copies the outputs into immutable snapshots (the engine may keep mutating
-its own lists) and hands the whole batch to the event loop with one `loop.call_soon_threadsafe`, which puts
-each snapshot on its request's `asyncio.Queue`. So a handler waiting for tokens costs the engine nothing,
-and a slow client only makes its own queue longer; consumers coalesce queued snapshots (every field the
-server reads is cumulative), so a backlog never turns into a backlog of work.
+The engine (anything with the `kernel_lab.engine.interface.Engine` surface: LLMEngine, or the tests' fake)
+is single-threaded. It is built and stepped on one dedicated thread, which owns it outright. Request
+handlers on the event loop never call it: they put `add`/`abort` commands on a `queue.SimpleQueue`, which
+the engine thread drains between steps. Requests run with RequestOutputKind.DELTA, so each step's outputs
+hold only their new text, token ids and logprobs, objects the engine never touches again: the engine thread
+forwards them as they are, counts their tokens for the metrics, and hands the whole batch to the event loop
+with one `loop.call_soon_threadsafe`, which puts each output on its request's `asyncio.Queue`. So a handler
+waiting for tokens costs the engine nothing, a step costs the server the same at token 2,000 as at token 2,
+and a slow client only makes its own queue longer; a consumer merges the deltas queued since its last read
+(`merge_deltas`) in one pass, so a backlog never turns into a backlog of work.
 
 Admission control lives on the event loop: a request counts as *waiting* from submission until its first
 token arrives; when `max_waiting` requests are waiting, new ones are refused with QueueFull (HTTP 429).
@@ -21,8 +23,11 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
+
+from kernel_lab.engine.interface import Engine
+from kernel_lab.engine.outputs import RequestOutput, merge_deltas
+from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
 
 from .metrics import ServerMetrics
 
@@ -49,61 +54,21 @@ class RequestRejected(ValueError):
     """The engine refused the request in add_request (HTTP 400)."""
 
 
-@dataclass(frozen=True)
-class SequenceSnapshot:
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: Any
-
-
-@dataclass(frozen=True)
-class RequestSnapshot:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    outputs: tuple[SequenceSnapshot, ...]
-    finished: bool
-
-
-def snapshot(output) -> RequestSnapshot:
-    seqs = tuple(
-        SequenceSnapshot(
-            index=o.index,
-            text=o.text,
-            token_ids=tuple(o.token_ids),
-            logprobs=None if o.logprobs is None else tuple(o.logprobs),
-            cumulative_logprob=o.cumulative_logprob,
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
-        )
-        for o in output.outputs
-    )
-    return RequestSnapshot(
-        output.request_id,
-        tuple(output.prompt_token_ids or ()),
-        tuple(sorted(seqs, key=lambda s: s.index)),
-        bool(output.finished),
-    )
-
-
 class _Tracked:
     """Engine-thread bookkeeping for one request (timings for the metrics)."""
 
-    __slots__ = ("arrival", "prompt_tokens", "first_token_at", "last_token_at", "tokens_seen")
+    __slots__ = ("arrival", "prompt_tokens", "first_token_at", "last_token_at", "generated")
 
     def __init__(self, arrival: float, prompt_tokens: int):
         self.arrival = arrival
         self.prompt_tokens = prompt_tokens
         self.first_token_at: float | None = None
         self.last_token_at: dict[int, float] = {}
-        self.tokens_seen: dict[int, int] = {}
+        self.generated = 0
 
 
 class RequestStream:
-    """Async iterator over one request's snapshots. Leaving it early (break, exception, cancellation)
+    """Async iterator over one request's outputs (deltas). Leaving it early (break, exception, cancellation)
     must end in `close()`, which aborts the request in the engine; the server does that in a finally."""
 
     def __init__(self, engine: AsyncEngine, request_id: str):
@@ -116,12 +81,17 @@ class RequestStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> RequestSnapshot:
+    async def __anext__(self) -> RequestOutput:
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
-        while not self.queue.empty() and isinstance(item, RequestSnapshot):
-            item = self.queue.get_nowait()  # cumulative snapshots: only the newest matters
+        deltas = []
+        while isinstance(item, RequestOutput):
+            deltas.append(item)
+            if self.queue.empty():
+                item = merge_deltas(deltas)  # everything new since the consumer's last read
+                break
+            item = self.queue.get_nowait()
         if item is _CLOSED:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -215,10 +185,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop API
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params, arrival: float | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
     ) -> RequestStream:
-        """Queue a request for the engine thread. Raises EngineNotReady, EngineDead or QueueFull at once;
-        an engine-side refusal (RequestRejected) arrives through the stream."""
+        """Queue a request (its params with output_kind=DELTA) for the engine thread. Raises EngineNotReady,
+        EngineDead or QueueFull at once; an engine-side refusal (RequestRejected) arrives through the stream."""
+        if params.output_kind is not RequestOutputKind.DELTA:
+            raise ValueError("the server's requests stream deltas: SamplingParams(output_kind=DELTA)")
         self.check_ready()
         if self._num_waiting >= self.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)", self.retry_after_s())
@@ -282,9 +254,9 @@ class AsyncEngine:
             self.error, self.state = exc, "failed"
             self.ready_event.set()
             return
-        self.engine = engine
+        self.engine: Engine = engine
         if not self.metrics.model_name:
-            self.metrics.model_name = getattr(engine, "model_name", "")
+            self.metrics.model_name = engine.config.model_name
         self.metrics.on_step(engine.stats())
         self.state = "ready"
         self.ready_event.set()
@@ -316,8 +288,8 @@ class AsyncEngine:
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None:
                 engine.abort_request(request_id)
-                generated = sum(tracked.tokens_seen.values())
-                self.metrics.on_finished("abort", time.monotonic() - tracked.arrival, tracked.prompt_tokens, generated)
+                self.metrics.on_finished("abort", time.monotonic() - tracked.arrival, tracked.prompt_tokens,
+                                         tracked.generated)
 
     def _serve(self, engine) -> None:
         while not self._stop.is_set():
@@ -340,43 +312,36 @@ class AsyncEngine:
                 self.metrics.on_step(engine.stats())
             if self._stop.is_set() or not self._resume.is_set() or not engine.has_unfinished_requests():
                 continue
-            outputs = engine.step()
-            now = time.monotonic()
-            batch = []
-            for output in outputs:
-                tracked = self._tracked.get(output.request_id)
-                if tracked is None:
-                    continue
-                snap = snapshot(output)
-                self._account(tracked, snap, now)
-                if snap.finished:
-                    del self._tracked[output.request_id]
-                batch.append((output.request_id, snap))
+            batch = self._forward(engine.step(), time.monotonic())
             self.metrics.on_step(engine.stats())
             self._post(batch)
         for request_id in list(self._tracked):
             engine.abort_request(request_id)
         self._tracked.clear()
 
-    def _account(self, tracked: _Tracked, snap: RequestSnapshot, now: float) -> None:
-        metrics = self.metrics
-        if tracked.first_token_at is None and any(s.token_ids for s in snap.outputs):
-            tracked.first_token_at = now
-            metrics.on_first_token(now - tracked.arrival, tracked.prompt_tokens)
-        for seq in snap.outputs:
-            seen = tracked.tokens_seen.get(seq.index, 0)
-            new = len(seq.token_ids) - seen
-            if new > 0:
-                previous = tracked.last_token_at.get(seq.index)
+    def _forward(self, outputs: list[RequestOutput], now: float) -> list[tuple[str, RequestOutput]]:
+        """The one loop over a step's outputs on the server side: count their new tokens for the metrics
+        and pass them on unchanged."""
+        metrics, batch = self.metrics, []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            for completion in output.outputs:
+                new = len(completion.token_ids)
+                if not new:
+                    continue
+                if tracked.first_token_at is None:
+                    tracked.first_token_at = now
+                    metrics.on_first_token(now - tracked.arrival, tracked.prompt_tokens)
+                previous = tracked.last_token_at.get(completion.index)
                 metrics.on_tokens(new, None if previous is None else now - previous)
-                tracked.last_token_at[seq.index] = now
-                tracked.tokens_seen[seq.index] = len(seq.token_ids)
-        if snap.finished:
-            reasons = {s.finish_reason for s in snap.outputs}
-            reason = "length" if "length" in reasons else "stop"
-            metrics.on_finished(
-                reason,
-                now - tracked.arrival,
-                tracked.prompt_tokens,
-                sum(len(s.token_ids) for s in snap.outputs),
-            )
+                tracked.last_token_at[completion.index] = now
+                tracked.generated += new
+            if output.finished:
+                del self._tracked[output.request_id]
+                reasons = {c.finish_reason for c in output.outputs}
+                metrics.on_finished("length" if "length" in reasons else "stop", now - tracked.arrival,
+                                    tracked.prompt_tokens, tracked.generated)
+            batch.append((output.request_id, output))
+        return batch

@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
+
 
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -21,11 +23,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)",
-    )
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -42,16 +39,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KERNEL_LAB_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1 routes (env: KERNEL_LAB_API_KEY)",
     )
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--max-waiting",
         type=int,
@@ -59,32 +46,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound on requests waiting for their first token; beyond it the server answers 429 with Retry-After",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-
-
-def engine_kwargs_from_args(args) -> dict:
-    kwargs = dict(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
-    if args.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.num_kv_blocks is not None:
-        kwargs["num_kv_blocks"] = args.num_kv_blocks
-    return kwargs
+    add_engine_arguments(parser)
 
 
 def run_serve(args) -> int:
     import uvicorn
 
+    from .app import build_app
     from .async_engine import AsyncEngine
-    from .openai_api import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kernel_lab.server")
@@ -97,7 +66,7 @@ def run_serve(args) -> int:
     if args.max_waiting < 1:
         print("--max-waiting must be at least 1", file=sys.stderr)
         return 2
-    kwargs = engine_kwargs_from_args(args)
+    kwargs = engine_kwargs(args)
 
     def build_engine():
         from kernel_lab.engine import LLMEngine
@@ -123,7 +92,7 @@ def run_serve(args) -> int:
                 "ready: http://%s:%d/v1 (model %s)",
                 args.host,
                 args.port,
-                args.served_model_name or getattr(async_engine.engine, "model_name", "?"),
+                args.served_model_name or async_engine.engine.config.model_name,
             )
 
     threading.Thread(target=watch_engine, daemon=True, name="engine-watch").start()

@@ -15,6 +15,8 @@ import threading
 import time
 from collections import deque
 
+from kernel_lab.engine.interface import EngineStats
+
 PREFIX = "kernel_lab_"
 
 # Bucket upper bounds in seconds; CPU serving is slow, so they reach further than a GPU server's would.
@@ -60,6 +62,10 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
+NO_ENGINE_YET = EngineStats(num_running=0, num_waiting=0, kv_cache_blocks_total=0, kv_cache_blocks_free=0,
+                            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_generated_tokens=0)
+
+
 class ServerMetrics:
     """Counters, gauges and histograms for one server. Call the `on_*` methods from the engine thread."""
 
@@ -75,7 +81,7 @@ class ServerMetrics:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.rejected: dict[str, int] = {}
-        self.engine_stats: dict = {}
+        self.engine_stats: EngineStats | None = None  # the latest, from the engine thread
         self.engine_steps = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
 
@@ -109,9 +115,9 @@ class ServerMetrics:
         with self.lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    def on_step(self, engine_stats: dict) -> None:
+    def on_step(self, engine_stats: EngineStats) -> None:
         with self.lock:
-            self.engine_stats = dict(engine_stats)
+            self.engine_stats = engine_stats
             self.engine_steps += 1
 
     # ------------------------------------------------------------------ reading
@@ -128,21 +134,19 @@ class ServerMetrics:
     def snapshot(self) -> dict:
         prompt_tps, gen_tps = self.throughput()
         with self.lock:
-            stats = dict(self.engine_stats)
-            total = stats.get("num_kv_blocks_total") or 0
-            free = stats.get("num_kv_blocks_free") or 0
-            queries = stats.get("prefix_cache_queries") or 0
-            hits = stats.get("prefix_cache_hits") or 0
+            stats = self.engine_stats or NO_ENGINE_YET
+            total, free = stats["kv_cache_blocks_total"], stats["kv_cache_blocks_free"]
+            queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
             return {
-                "num_requests_running": stats.get("num_running", 0),
-                "num_requests_waiting": stats.get("num_waiting", 0),
-                "kv_blocks_total": total,
-                "kv_blocks_free": free,
+                "num_requests_running": stats["num_running"],
+                "num_requests_waiting": stats["num_waiting"],
+                "kv_cache_blocks_total": total,
+                "kv_cache_blocks_free": free,
                 "kv_cache_usage_perc": (1.0 - free / total) if total else 0.0,
                 "prefix_cache_queries": queries,
                 "prefix_cache_hits": hits,
                 "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                "num_preemptions": stats.get("num_preemptions", 0),
+                "num_preemptions": stats["num_preemptions"],
                 "request_success": dict(self.finished),
                 "finished_prompt_tokens": self.finished_prompt_tokens,
                 "finished_generation_tokens": self.finished_generation_tokens,
@@ -176,8 +180,8 @@ class ServerMetrics:
         gauge("num_requests_running", "Requests in the engine's running batch.", snap["num_requests_running"])
         gauge("num_requests_waiting", "Requests waiting to be scheduled.", snap["num_requests_waiting"])
         gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", snap["kv_cache_usage_perc"])
-        gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", snap["kv_blocks_total"])
-        gauge("kv_cache_blocks_free", "KV-cache blocks free.", snap["kv_blocks_free"])
+        gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", snap["kv_cache_blocks_total"])
+        gauge("kv_cache_blocks_free", "KV-cache blocks free.", snap["kv_cache_blocks_free"])
         gauge(
             "prefix_cache_hit_rate",
             "Prefix-cache hits / queries since start (tokens).",

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kernel_lab.engine.sampling_params import MAX_LOGPROBS
+from kernel_lab.engine.sampling_params import MAX_LOGPROBS, SAMPLING_BOUNDS
 
 from .async_engine import EngineDead, EngineNotReady, QueueFull, RequestRejected
 
@@ -54,9 +54,9 @@ StopField = (
 
 class SamplingFields(_Strict):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 turns it off")
+    temperature: float | None = Field(None, le=2.0, **SAMPLING_BOUNDS["temperature"])  # le: OpenAI's bound
+    top_p: float | None = Field(None, **SAMPLING_BOUNDS["top_p"])
+    top_k: int | None = Field(None, description="vLLM extension", **SAMPLING_BOUNDS["top_k"])
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopField = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
@@ -68,6 +68,13 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

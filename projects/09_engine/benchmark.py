@@ -57,9 +57,9 @@ def run_workload(engine, concurrency: int, input_len: int, output_len: int, seed
     from kernel_lab.engine import SamplingParams
 
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    if engine.device.type == "cuda":
+    if engine.config.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(concurrency):
@@ -94,7 +94,7 @@ def bench_model(name: str, hf_config: dict, concurrencies, record: ResultRecord,
     engine = LLMEngine(hf_config, device=str(device), dtype="auto" if device.type == "cuda" else "float32",
                        max_model_len=max_model_len, max_num_seqs=max(concurrencies),
                        max_num_batched_tokens=max(8192, max(concurrencies)), enable_prefix_caching=False)
-    dtype = str(engine.dtype).replace("torch.", "")
+    dtype = str(engine.config.dtype).replace("torch.", "")
     wbytes = weight_bytes(engine)
     run_workload(engine, 2, 16, 4)  # warm-up: first prefill shapes, allocator
     for c in concurrencies:

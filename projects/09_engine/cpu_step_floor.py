@@ -36,7 +36,7 @@ from kernel_lab.engine import SamplingParams  # noqa: E402
 from kernel_lab.engine.llm_engine import LLMEngine  # noqa: E402
 from kernel_lab.harness.bench import benchmark, summarize  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
-from kernel_lab.models.llama import QuantizedLinear  # noqa: E402
+from kernel_lab.models.layers.linear import QuantizedLinear  # noqa: E402
 from kernel_lab.ops.gguf_linear import kernel_threads  # noqa: E402
 
 

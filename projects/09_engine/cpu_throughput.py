@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, vllm_cpu_env  # noqa: E402
 from kernel_lab.harness.bench import Timing, summarize  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
-from kernel_lab.models.llama import ModelConfig  # noqa: E402
+from kernel_lab.models.config import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
 
 BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)", "llama.cpp": "llama.cpp",

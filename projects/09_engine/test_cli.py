@@ -66,3 +66,27 @@ def test_cpu_step_floor_writes_a_consistent_record(reference_only, tmp_path):
         assert 0 < decode["gemm_share_of_step"] <= 1.5  # toy sizes time noisily, but they are inside the step
         floor_s = (4 * 8 * prefill["timing"]["median_ms"] / 16 + 4 / 2 * 3 * gemm_ms) / 1e3
         assert decode["workload_gemm_floor_output_tok_s"] == pytest.approx(4 * 4 / floor_s)
+
+
+def test_every_command_that_builds_an_engine_takes_the_same_engine_flags():
+    import dataclasses
+
+    from kernel_lab.cli import build_parser
+    from kernel_lab.engine import EngineConfig
+    from kernel_lab.engine.arg_utils import engine_fields, engine_kwargs
+
+    # Every constructor argument of the engine is a flag; a new field without help text would not be.
+    assert {f.name for f in engine_fields()} == {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    flags = ["--weights", "float32", "--enforce-eager", "--block-size", "32", "--no-enable-prefix-caching",
+             "--max-model-len", "256", "--gpu-memory-utilization", "0.5"]
+    seen = []
+    for command in (["serve"], ["generate", "hi"], ["demo"], ["bench", "throughput"]):
+        argv = command + flags
+        kwargs = engine_kwargs(build_parser(argv).parse_args(argv))
+        assert kwargs["weights"] == "float32" and kwargs["enforce_eager"] is True and kwargs["block_size"] == 32
+        assert kwargs["enable_prefix_caching"] is False and kwargs["gpu_memory_utilization"] == 0.5
+        seen.append(set(kwargs) | {"seed"})
+    assert all(s == seen[0] for s in seen)  # generate and demo keep --seed for the request's own seed
+    argv = ["serve", "--seed", "7", "--no-prefix-caching"]
+    kwargs = engine_kwargs(build_parser(argv).parse_args(argv))
+    assert kwargs["seed"] == 7 and kwargs["enable_prefix_caching"] is False

@@ -132,7 +132,7 @@ def test_greedy_parity_with_transformers(reference_only, engine_run, hf_greedy, 
     # A shared-prefix prompt admitted after the first one finished its prefill reused its full blocks.
     shared_prefix_blocks = len(engine.tokenizer.encode(SHARED_PREFIX)) // 16
     assert max(final[f"p{i}"].num_cached_tokens for i in SHARED) >= 16 * (shared_prefix_blocks - 1)
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"], "blocks leaked"
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"], "blocks leaked"
     mismatches = []
     for i in range(len(PROMPTS)):
         ours, theirs = final[f"p{i}"].outputs[0].token_ids, hf_greedy[i]
@@ -282,23 +282,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(reference_only, e
 def test_abort_frees_blocks_and_length_cap(reference_only, engine):
     engine.add_request("to-abort", "Tell me a long story about dragons.", SamplingParams(max_tokens=200))
     engine.step()
-    assert engine.stats()["num_kv_blocks_free"] < engine.stats()["num_kv_blocks_total"]
+    assert engine.stats()["kv_cache_blocks_free"] < engine.stats()["kv_cache_blocks_total"]
     engine.abort_request("to-abort")
     engine.abort_request("never-existed")  # no-op
     stats = engine.stats()
-    assert stats["num_kv_blocks_free"] == stats["num_kv_blocks_total"] and not engine.has_unfinished_requests()
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"] and not engine.has_unfinished_requests()
     # A prompt just under max_model_len: generation is capped and finishes with "length".
-    prompt = [100 + (i % 50) for i in range(engine.max_model_len - 2)]
+    prompt = [100 + (i % 50) for i in range(engine.config.max_model_len - 2)]
     c = _generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
     assert len(c.token_ids) == 2 and c.finish_reason == "length"
-    c = _generate(engine, [prompt[:1] * engine.max_model_len], SamplingParams(temperature=0, max_tokens=5))[0]
+    c = _generate(engine, [prompt[:1] * engine.config.max_model_len], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(c.outputs[0].token_ids) == 1 and c.outputs[0].finish_reason == "length"
 
 
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_requests_raise_clear_errors(engine):
     with pytest.raises(ValueError, match="longer than max_model_len"):
-        engine.add_request("long", [5] * (engine.max_model_len + 1), SamplingParams())
+        engine.add_request("long", [5] * (engine.config.max_model_len + 1), SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", "", SamplingParams())
     with pytest.raises(ValueError, match="empty"):
@@ -371,7 +371,7 @@ def test_fp8_kv_cache_runs_and_stays_close_to_fp32(reference_only, engine_run, e
     assert sum(agree) / (32 * len(chosen)) >= 0.5, agree
     assert sum(a == 32 for a in agree) >= 2, agree
     assert bool((fp8.runner.kv_scales > 0).any())  # the decode steps really read scaled fp8 pages
-    assert fp8.stats()["num_kv_blocks_free"] == fp8.stats()["num_kv_blocks_total"]
+    assert fp8.stats()["kv_cache_blocks_free"] == fp8.stats()["kv_cache_blocks_total"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 257])
@@ -383,14 +383,14 @@ def test_linear_matches_a_float64_reference_on_both_cpu_paths(rows, with_bias, m
     import torch.nn.functional as F
 
     from kernel_lab.harness.testing import case_seed, randn
-    from kernel_lab.models import llama
+    from kernel_lab.models.layers import linear as llama_linear
 
     seed = case_seed("linear", rows, with_bias)
     x = randn((rows, 40), torch.float32, "cpu", seed)[:, :37]           # a strided input
     weight = randn((120, 37), torch.float32, "cpu", seed + 1)
     bias = randn((120,), torch.float32, "cpu", seed + 2) if with_bias else None
     expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
-    linear = llama.Linear(weight, bias)
+    linear = llama_linear.Linear(weight, bias)
     assert linear.blocked is not None, "this torch build has no oneDNN: the CPU engine runs F.linear only"
 
     def refuse(*args, **kwargs):
@@ -403,3 +403,24 @@ def test_linear_matches_a_float64_reference_on_both_cpu_paths(rows, with_bias, m
     out = linear(x)
     assert out.shape == (rows, 120) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias,tied", [(False, True), (True, False)])
+def test_the_checkpoint_table_drives_loading_random_weights_and_the_parameter_count(qkv_bias, tied):
+    from kernel_lab.models.config import ModelConfig
+    from kernel_lab.models.llama import build_model, checkpoint_shapes, random_state_dict
+
+    arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    config = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 50, "hidden_size": 24,
+                                  "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    state = random_state_dict(config, seed=3)
+    assert {n: tuple(t.shape) for n, t in state.items()} == checkpoint_shapes(config)
+    assert sum(t.numel() for t in state.values()) == config.num_parameters
+    assert ("model.layers.1.self_attn.k_proj.bias" in state) == qkv_bias and ("lm_head.weight" in state) != tied
+    bad = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(41, 24)})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight has shape \(41, 24\), expected \(40, 24\)"):
+        build_model(config, bad, torch.float32, "cpu", 32)
+    with pytest.raises(ValueError, match="lacks 1 weight"):
+        build_model(config, {n: t for n, t in state.items() if n != "model.norm.weight"}, torch.float32, "cpu", 32)
+    build_model(config, state, torch.float32, "cpu", 32)

@@ -32,10 +32,10 @@ def graphs_engine(engine_model):
 @pytest.fixture(scope="module")
 def prompts(graphs_engine):
     """TEXT_PROMPTS as token ids with the bundled model; seeded random ids of similar lengths otherwise."""
-    if graphs_engine.model_dir is not None:
+    if graphs_engine.config.model_dir is not None:
         return [graphs_engine.tokenizer.encode(p) for p in TEXT_PROMPTS]
     g = torch.Generator().manual_seed(0)
-    vocab = graphs_engine.model_config.vocab_size
+    vocab = graphs_engine.config.vocab_size
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 7, 11, 9, 13, 4, 8, 10)]
 
 
@@ -68,20 +68,20 @@ def test_decode_step_has_no_host_sync(graphs_engine, prompts):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert logits.shape[0] == len(seqs) > 0, kind
-        results = engine.runner._sample(logits, seqs)
+        results = engine.runner.sampler.sample(logits, seqs)
         engine.scheduler.update_computed(batch)
         for r in results:
             engine.output_processor.append_token(r)
     for i in range(3):
         engine.abort_request(f"sync-{i}")
-    assert engine.stats()["num_kv_blocks_free"] == engine.stats()["num_kv_blocks_total"]
+    assert engine.stats()["kv_cache_blocks_free"] == engine.stats()["kv_cache_blocks_total"]
 
 
 def test_bf16_greedy_follows_transformers(graphs_engine, bundled_model, prompts):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(graphs_engine.model_dir), dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(str(graphs_engine.config.model_dir), dtype=torch.bfloat16).cuda().eval()
     model.generation_config.eos_token_id = None
     ours = _greedy(graphs_engine, prompts, 16)
     agree = []

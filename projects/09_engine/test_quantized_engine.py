@@ -129,7 +129,7 @@ def test_the_one_call_layer_attention_is_the_separate_ops(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu", lambda *a: calls.append(1) or fused_call(*a))
     engine = LLMEngine(None, weights="float32", **KWARGS)
     fused = _first_logprobs(engine, PROMPTS[:3])
-    layers = engine.runner.config.num_layers
+    layers = engine.config.model_config.num_layers
     assert calls and len(calls) % layers == 0, "a CPU step did not take the one-call layer attention"
 
     check = ModelRunner._check_step_inputs

@@ -100,7 +100,7 @@ class RunningServer:
                 self.async_engine.num_in_flight == 0
                 and stats["num_requests_running"] == 0
                 and stats["num_requests_waiting"] == 0
-                and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+                and stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"]
             ):
                 return stats
             time.sleep(0.02)
@@ -110,18 +110,15 @@ class RunningServer:
 def start_server(
     factory,
     *,
-    params_factory=None,
     max_waiting: int = 512,
     api_key: str | None = None,
     served_model_name: str | None = None,
 ) -> RunningServer:
+    from kernel_lab.server.app import build_app
     from kernel_lab.server.async_engine import AsyncEngine
     from kernel_lab.server.background import BackgroundServer
-    from kernel_lab.server.openai_api import build_app
 
     async_engine = AsyncEngine(factory, max_waiting=max_waiting)
-    if params_factory is not None:
-        async_engine.params_factory = params_factory
     app = build_app(async_engine, api_key=api_key, served_model_name=served_model_name)
     background = BackgroundServer(app).start()
     return RunningServer(background, async_engine, api_key)
@@ -136,7 +133,6 @@ def fake_server():
     def make(*, max_waiting: int = 512, api_key: str | None = None, wait: bool = True, **engine_kwargs):
         server = start_server(
             lambda: fake_engine.FakeEngine(**engine_kwargs),
-            params_factory=fake_engine.FakeSamplingParams,
             max_waiting=max_waiting,
             api_key=api_key,
         )

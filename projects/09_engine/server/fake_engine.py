@@ -1,7 +1,8 @@
-"""A tiny, deterministic stand-in for `kernel_lab.engine.LLMEngine` (the same add_request / abort_request /
-step / stats interface and the same outputs, `kernel_lab.engine.outputs`), so the server's tests can exercise
-every path (queues, aborts, stop strings, n > 1, seeds, logprobs, KV accounting) in milliseconds and without
-a model.
+"""A tiny, deterministic stand-in for `kernel_lab.engine.LLMEngine`: the same surface
+(`kernel_lab.engine.interface.Engine`), the same SamplingParams and the same requests, outputs and output
+processor (detokenisation, stop conditions, deltas), with a fake model and a fake KV pool in place of the
+scheduler and the runner. So the server's tests exercise every path (queues, aborts, stop strings, n > 1,
+seeds, logprobs, KV accounting) in milliseconds, without a model, against the engine's own rules.
 
 The "model" is a character-level language: a token is one printable ASCII character (ids 3..97) plus
 three specials (0 pad, 1 bos, 2 eos). Greedy decoding spells out a fixed sentence starting at an offset
@@ -18,7 +19,13 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from kernel_lab.engine.outputs import CompletionOutput, RequestOutput
+from kernel_lab.engine.block_manager import blocks_needed
+from kernel_lab.engine.interface import EngineStats
+from kernel_lab.engine.output_processor import OutputProcessor
+from kernel_lab.engine.outputs import RequestOutput
+from kernel_lab.engine.sampler import SampleResult
+from kernel_lab.engine.sampling_params import SamplingParams
+from kernel_lab.engine.sequence import Request, Sequence, SequenceStatus
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_CHAR, LAST_CHAR = 32, 126  # printable ASCII
@@ -54,33 +61,10 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeSamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+class FakeConfig:
+    model_name: str
+    max_model_len: int
+    vocab_size: int = VOCAB_SIZE
 
 
 # Fixed candidate distribution for sampling: characters of the sentence, the first the most likely.
@@ -88,36 +72,12 @@ _CANDIDATES = sorted(set(SENTENCE))
 _LOGITS = [-(i % 7) * 0.5 for i in range(len(_CANDIDATES))]
 _LOGZ = math.log(sum(math.exp(x) for x in _LOGITS))
 _LOGPROBS = {ord(c) - FIRST_CHAR + 3: lg - _LOGZ for c, lg in zip(_CANDIDATES, _LOGITS, strict=False)}
+_RANKED = sorted(_LOGPROBS.items(), key=lambda kv: -kv[1])
 
 
-class _Seq:
-    def __init__(self, index: int, params: FakeSamplingParams, context_key: int):
-        self.index = index
-        self.rng = random.Random((params.seed if params.seed is not None else random.getrandbits(32)) + index)
-        self.offset = context_key % len(SENTENCE)
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] = []
-        self.cumulative = 0.0
-        self.text = ""
-        self.reported_text = ""
-        self.reported_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason = None
-
-
-class _Request:
-    def __init__(self, request_id, prompt, prompt_ids, params):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_ids = prompt_ids
-        self.params = params
-        key = zlib.crc32(bytes(i % 256 for i in prompt_ids))
-        self.seqs = [_Seq(i, params, key) for i in range(params.n)]
-        self.blocks = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+def _seq_rng(seq: Sequence) -> random.Random:
+    seed = seq.params.seed
+    return random.Random((seed if seed is not None else random.getrandbits(32)) + seq.index)
 
 
 class FakeEngine:
@@ -143,8 +103,7 @@ class FakeEngine:
         if fail_load:
             raise RuntimeError(fail_load)
         self.tokenizer = FakeTokenizer()
-        self.model_name = "fake-model"
-        self.max_model_len = max_model_len
+        self.config = FakeConfig("fake-model", max_model_len)
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -153,56 +112,73 @@ class FakeEngine:
         self.eos_after = eos_after
         self.gate = threading.Event()
         self.gate.set()
-        self.waiting: list[_Request] = []
-        self.running: list[_Request] = []
+        self.output_processor = OutputProcessor(self.tokenizer, max_model_len, self._release)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
         self.ids: set[str] = set()
         self.aborted: list[str] = []
+        self.blocks: dict[str, int] = {}
+        self.offsets: dict[str, int] = {}
+        self.rngs: dict[int, random.Random] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.steps = 0
+        self.num_generated_tokens = 0
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt, params: FakeSamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
         if request_id in self.ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
         if any(not 0 <= t < VOCAB_SIZE for t in ids):
             raise ValueError("prompt token id out of range")
         self.ids.add(request_id)
-        self.waiting.append(_Request(request_id, prompt if isinstance(prompt, str) else None, ids, params))
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival=0)
+        self.output_processor.add_request(request)
+        self.offsets[request_id] = zlib.crc32(bytes(i % 256 for i in ids)) % len(SENTENCE)
+        self.rngs.update((seq.seq_id, _seq_rng(seq)) for seq in request.seqs)
+        self.blocks[request_id] = 0
+        self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
         for queue in (self.waiting, self.running):
             for req in list(queue):
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.free_blocks += req.blocks
-                    req.blocks = 0
-                    self.ids.discard(request_id)
+                    self._free(req)
                     self.aborted.append(request_id)
+
+    def _free(self, req: Request) -> None:
+        self.free_blocks += self.blocks.pop(req.request_id)
+        self.offsets.pop(req.request_id)
+        for seq in req.seqs:
+            self.rngs.pop(seq.seq_id)
+        self.ids.discard(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict:
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_kv_blocks_total": self.num_kv_blocks,
-            "num_kv_blocks_free": self.free_blocks,
-            "prefix_cache_queries": self.prefix_queries,
-            "prefix_cache_hits": self.prefix_hits,
-            "num_preemptions": 0,
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_blocks_total=self.num_kv_blocks, kv_cache_blocks_free=self.free_blocks,
+            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits, num_preemptions=0,
+            num_generated_tokens=self.num_generated_tokens,
+        )
 
     # ---------------------------------------------------------------- stepping
-    def _blocks_needed(self, req: _Request) -> int:
-        longest = max(len(s.token_ids) for s in req.seqs) + 1
-        return req.params.n * -(-(len(req.prompt_ids) + longest) // self.block_size)
+    def _blocks_needed(self, req: Request) -> int:
+        longest = max(s.num_output_tokens for s in req.seqs) + 1
+        return req.params.n * blocks_needed(len(req.prompt_token_ids) + longest, self.block_size)
+
+    @staticmethod
+    def _release(seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
 
     def step(self) -> list[RequestOutput]:
         self.gate.wait()
@@ -216,76 +192,40 @@ class FakeEngine:
                 break
             self.waiting.pop(0)
             self.free_blocks -= need
-            req.blocks = need
-            self.prefix_queries += len(req.prompt_ids)
-            self.prefix_hits += len(req.prompt_ids) // 2
+            self.blocks[req.request_id] = need
+            self.prefix_queries += len(req.prompt_token_ids)
+            self.prefix_hits += len(req.prompt_token_ids) // 2
             self.running.append(req)
         outputs = []
         for req in list(self.running):
             need = self._blocks_needed(req)
-            self.free_blocks -= need - req.blocks
-            req.blocks = need
+            self.free_blocks -= need - self.blocks[req.request_id]
+            self.blocks[req.request_id] = need
             for seq in req.seqs:
-                if seq.finish_reason is None:
-                    self._advance(req, seq)
-            outputs.append(self._output(req))
+                if not seq.is_finished:
+                    self.output_processor.append_token(self._sample(req, seq))
+                    self.num_generated_tokens += 1
+            out = self.output_processor.make_output(req)
+            if out is not None:
+                outputs.append(out)
             if req.finished:
                 self.running.remove(req)
-                self.free_blocks += req.blocks
-                req.blocks = 0
-                self.ids.discard(req.request_id)
+                self._free(req)
         return outputs
 
-    def _advance(self, req: _Request, seq: _Seq) -> None:
+    def _sample(self, req: Request, seq: Sequence) -> SampleResult:
         p = req.params
-        pos = len(seq.token_ids)
+        pos = seq.num_output_tokens
         if self.eos_after is not None and pos >= self.eos_after and not p.ignore_eos:
             token = EOS
-        elif p.temperature == 0:
-            token = ord(SENTENCE[(seq.offset + pos) % len(SENTENCE)]) - FIRST_CHAR + 3
+        elif p.greedy:
+            token = ord(SENTENCE[(self.offsets[req.request_id] + pos) % len(SENTENCE)]) - FIRST_CHAR + 3
         else:
             weights = [math.exp(lp / p.temperature) for lp in _LOGPROBS.values()]
-            token = seq.rng.choices(list(_LOGPROBS), weights=weights)[0]
-        logprob = _LOGPROBS.get(token, -20.0)
-        seq.token_ids.append(token)
-        seq.cumulative += logprob
+            token = self.rngs[seq.seq_id].choices(list(_LOGPROBS), weights=weights)[0]
+        result = SampleResult(seq, token)
         if p.logprobs is not None:
-            top = dict(sorted(_LOGPROBS.items(), key=lambda kv: -kv[1])[: p.logprobs])
-            top[token] = logprob
-            seq.logprobs.append(top)
-        if token == EOS:
-            seq.finish_reason = "stop"
-            return
-        seq.text = self.tokenizer.decode(seq.token_ids)
-        if p.stop_token_ids and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-            return
-        for s in p.stop or []:
-            at = seq.text.find(s)
-            if at >= 0:
-                seq.text = seq.text[:at]
-                seq.finish_reason, seq.stop_reason = "stop", s
-                return
-        if len(seq.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            new_ids = seq.token_ids[seq.reported_tokens :]
-            new_text = seq.text[len(seq.reported_text) :] if seq.text.startswith(seq.reported_text) else ""
-            seq.reported_tokens, seq.reported_text = len(seq.token_ids), seq.text
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=list(seq.token_ids),
-                    cumulative_logprob=seq.cumulative,
-                    logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    new_token_ids=new_ids,
-                    new_text=new_text,
-                )
-            )
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), outs, req.finished)
+            result.logprob = _LOGPROBS.get(token, -20.0)
+            result.rank = 1 + sum(lp > result.logprob for lp in _LOGPROBS.values())
+            result.top_logprobs = _RANKED[: p.logprobs]
+        return result

@@ -5,6 +5,7 @@ is then checked against the real model in test_live.py."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
@@ -15,7 +16,6 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from kernel_lab.engine.output_processor import stop_holdback  # noqa: E402
-from kernel_lab.server.openai_api import _ChoiceCursor  # noqa: E402
 
 MSG = [{"role": "user", "content": "hello there"}]
 # One client for the module: building an httpx client (its SSL context) costs more than a request.
@@ -42,13 +42,39 @@ def test_stop_holdback_is_the_longest_partial_stop_suffix():
     assert stop_holdback("abc", []) == 0
 
 
-def test_cursor_never_emits_a_partial_stop_or_partial_character():
-    cursor = _ChoiceCursor()
-    assert cursor.advance("one la", False, ["lazy"]) == "one "
-    assert cursor.advance("one lat", False, ["lazy"]) == "lat"
-    assert cursor.advance("one late \ufffd", False, []) == "e "
-    assert cursor.advance("one late é", True, []) == "é"
-    assert cursor.sent_chars == len("one late é")
+class _ByteTokenizer:
+    """Token = one UTF-8 byte, so a character can arrive in pieces."""
+
+    eos_token_ids: set[int] = set()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _deltas(text: str, stops: list[str]) -> list[str]:
+    """The text deltas the engine's output processor emits, one byte-token at a time."""
+    from kernel_lab.engine.output_processor import OutputProcessor
+    from kernel_lab.engine.sampler import SampleResult
+    from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
+    from kernel_lab.engine.sequence import Request
+
+    request = Request("r", None, [ord("x")], SamplingParams(stop=stops or None, max_tokens=None,
+                                                           output_kind=RequestOutputKind.DELTA), arrival=0)
+    processor = OutputProcessor(_ByteTokenizer(), max_model_len=10_000, finish=lambda seq: None)
+    processor.add_request(request)
+    deltas = []
+    for byte in text.encode():
+        processor.append_token(SampleResult(request.seqs[0], byte))
+        deltas.append(processor.make_output(request).outputs[0].text)
+    return deltas
+
+
+def test_deltas_never_show_a_partial_stop_or_partial_character():
+    # Formerly a property of the server's cursor; the engine's output processor is now the only place.
+    deltas = _deltas("one lat", ["lazy"])
+    assert "".join(deltas[:6]) == "one " and deltas[5] == "" and deltas[6] == "lat"
+    deltas = _deltas("late é", [])
+    assert deltas[-2] == "" and deltas[-1] == "é" and "".join(deltas) == "late é"
 
 
 # ----------------------------------------------------------------------------- completions
@@ -385,7 +411,7 @@ def test_models_and_health(fake_server):
     server = fake_server()
     data = HTTP.get(server.url + "/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == "fake-model"
-    assert data["data"][0]["max_model_len"] == server.engine.max_model_len
+    assert data["data"][0]["max_model_len"] == server.engine.config.max_model_len
     assert HTTP.get(server.url + "/v1/models/fake-model").json()["id"] == "fake-model"
     assert HTTP.get(server.url + "/health").json() == {"status": "ok"}
 
@@ -412,3 +438,14 @@ def test_metrics_parse_and_agree_with_requests(fake_server, read_metrics):
     assert 0 < values[("kernel_lab_prefix_cache_hit_rate", ())] <= 1
     buckets = [v for (name, labels), v in values.items() if name == "kernel_lab_e2e_request_latency_seconds_bucket"]
     assert max(buckets) == 5 and buckets == sorted(buckets)
+
+
+def test_the_fake_and_the_real_engine_share_one_surface():
+    from kernel_lab.engine import LLMEngine
+    from kernel_lab.engine.interface import Engine
+
+    fake_engine = sys.modules["kernel_lab_server_tests_fake_engine"]  # loaded by this directory's conftest
+    assert isinstance(fake_engine.FakeEngine(), Engine)
+    tiny = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+    assert isinstance(LLMEngine(tiny, max_model_len=32, max_num_seqs=2, device="cpu"), Engine)

@@ -34,7 +34,9 @@ def tokenizer():
     from tokenizers import decoders
 
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return bench_serve._BackendTokenizer(tok)
+    from kernel_lab.models.tokenizer import Tokenizer as EngineTokenizer
+
+    return EngineTokenizer(tok)
 
 
 def test_fixed_and_random_workloads_have_the_lengths_asked_for(tokenizer):

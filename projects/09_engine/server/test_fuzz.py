@@ -25,8 +25,8 @@ httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from kernel_lab.server.app import build_app  # noqa: E402
 from kernel_lab.server.async_engine import AsyncEngine  # noqa: E402
-from kernel_lab.server.openai_api import build_app  # noqa: E402
 
 ROUTES = {
     "completions": ("/v1/completions", "CompletionRequest"),

@@ -55,7 +55,7 @@ def collect_stream(stream, chat: bool) -> tuple[dict[int, str], dict[int, str], 
 def test_models_lists_the_default_model(live_server, model):
     assert model == "SmolLM2-135M-Instruct"
     data = httpx.get(live_server.url + "/v1/models", headers={"Authorization": f"Bearer {live_server.api_key}"})
-    assert data.json()["data"][0]["max_model_len"] == live_server.engine.max_model_len
+    assert data.json()["data"][0]["max_model_len"] == live_server.engine.config.max_model_len
 
 
 def parallel(*calls):

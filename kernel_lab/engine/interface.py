@@ -1,0 +1,65 @@
+"""The engine's surface, as the code that drives it sees it: the server's AsyncEngine thread and the offline
+LLM call only these. LLMEngine implements it, and so does any stand-in (the server tests' FakeEngine,
+projects/09_engine/server/fake_engine.py), which then produces its outputs through the same
+OutputProcessor and validates with the same SamplingParams."""
+
+from __future__ import annotations
+
+from typing import NotRequired, Protocol, TypedDict, runtime_checkable
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class EngineStats(TypedDict):
+    """`stats()`: the scheduler's and the KV pool's state, and counters since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_blocks_total: int
+    kv_cache_blocks_free: int
+    prefix_cache_queries: int          # tokens looked up in the prefix cache
+    prefix_cache_hits: int             # tokens found there
+    num_preemptions: int
+    num_generated_tokens: int
+    weights: NotRequired[str]          # the weight path taken ("quantized" or "float32")
+    weight_bytes: NotRequired[int]     # bytes of weights one decode step reads
+    resident_weight_bytes: NotRequired[int]
+
+
+class ServedModel(Protocol):
+    """The facts of the configuration a client of the engine reads (EngineConfig has them)."""
+
+    model_name: str
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class EngineTokenizer(Protocol):
+    eos_token_ids: set[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    config: ServedModel
+    tokenizer: EngineTokenizer
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Raises ValueError or TypeError for a prompt or parameters the engine cannot run."""
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; an output for every request that produced tokens or finished."""
+
+    def stats(self) -> EngineStats: ...

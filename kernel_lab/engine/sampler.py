@@ -1,0 +1,80 @@
+"""From a step's logits to one token per sequence: greedy or seeded sampling (`ops.sample`), with the
+sampled token's logprob, rank and the top-k logprobs when the request asks for them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernel_lab import ops
+
+from .sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    seq: Sequence
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
+    rank: int | None = None                                # the sampled token's rank (1 = most likely)
+
+
+class Sampler:
+    """`to_device(name, values, dtype)` moves a host list to the logits' device (the runner's staging)."""
+
+    def __init__(self, seed: int, to_device: Callable[[str, list, torch.dtype], torch.Tensor]):
+        self.rng = random.Random(seed)
+        self._to_device = to_device
+
+    def step_seed(self, seq: Sequence) -> int:
+        """Seeded requests: a seed from (request seed, completion index, position), so the same request
+        gives the same tokens whatever it is batched with. Others: the engine's random stream."""
+        seed = seq.params.seed
+        if seed is None:
+            return self.rng.getrandbits(63)
+        return hash((seed, seq.index, seq.num_output_tokens)) & ((1 << 63) - 1)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        if not seqs:
+            return []
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            to_device = self._to_device
+            tokens = ops.sample(
+                logits,
+                to_device("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
+                top_k=to_device("top_k", [max(p.top_k, 0) for p in params], torch.int32),
+                top_p=to_device("top_p", [p.top_p for p in params], torch.float32),
+                seed=to_device("seed", [self.step_seed(s) for s in seqs], torch.int64),
+            )
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
+        return _with_logprobs(logits, tokens, seqs, want)
+
+
+def _with_logprobs(logits, tokens, seqs, want) -> list[SampleResult]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])                                    # [S, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    k = max(w or 0 for w in want)
+    if k:
+        top_vals, top_ids = ops.topk(logprobs, k)
+    # One host read for everything.
+    tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist()
+    top_vals_l = top_vals.tolist() if k else None
+    top_ids_l = top_ids.tolist() if k else None
+    results = []
+    for i, seq in enumerate(seqs):
+        r = SampleResult(seq, tokens_l[i])
+        if want[i] is not None:
+            r.logprob, r.rank = chosen_l[i], ranks_l[i]
+            r.top_logprobs = list(zip(top_ids_l[i][:want[i]], top_vals_l[i][:want[i]], strict=True)) if k else []
+        results.append(r)
+    return results

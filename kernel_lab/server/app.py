@@ -1,0 +1,138 @@
+"""The OpenAI-compatible ASGI app: one module per endpoint, assembled here, with the error handlers, the
+API-key check and the engine's lifespan.
+
+    POST /v1/completions        legacy completions              serving_completion.py
+    POST /v1/chat/completions   chat, through the chat template  serving_chat.py
+    GET  /v1/models             the one served model
+    GET  /health                200 ready, 503 still loading, 500 engine dead
+    GET  /metrics               Prometheus text format (see metrics.py)
+
+Both generation routes stream (Server-Sent Events ending in `data: [DONE]`, with
+`stream_options.include_usage`) or answer in one JSON body (schemas and errors: protocol.py). A new endpoint
+is a new module with an OpenAIServing subclass and an `add_routes(app, serving)`, listed in ENDPOINTS.
+
+Error statuses: 400 malformed JSON / bad parameter / prompt too long, 401 bad key, 404 unknown model or
+route, 429 (with Retry-After) waiting queue full, 500 engine failure, 503 model still loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import serving_chat, serving_completion
+from .async_engine import AsyncEngine
+from .protocol import APIError, bad_request, engine_error, validation_message
+from .serving import OpenAIServing
+
+ENDPOINTS = ((serving_completion, serving_completion.CompletionServing), (serving_chat, serving_chat.ChatServing))
+
+
+class BearerAuth:
+    """Pure ASGI middleware (so streaming and disconnect detection stay untouched): every /v1 route needs
+    `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def models(serving: OpenAIServing) -> dict:
+    serving.check_ready()
+    return {"object": "list", "data": [{
+        "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kernel-lab",
+        "root": serving.model_path or serving.model_name, "max_model_len": serving.max_model_len}]}
+
+
+def health(async_engine: AsyncEngine) -> JSONResponse:
+    state = async_engine.state
+    if state == "ready":
+        return JSONResponse({"status": "ok"})
+    if state in ("created", "starting"):
+        return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
+    return JSONResponse({"status": "dead", "error": repr(async_engine.error)}, status_code=500)
+
+
+def metrics_text(async_engine: AsyncEngine) -> str:
+    return async_engine.metrics.render(extra_gauges={
+        "num_requests_admission_waiting": ("Requests admitted but without a first token (bounded by --max-waiting).",
+                                           async_engine.num_waiting),
+        "num_requests_in_flight": ("Requests admitted and not finished.", async_engine.num_in_flight),
+        "server_ready": ("1 when the engine is loaded and stepping.", int(async_engine.state == "ready")),
+    })
+
+
+def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
+              model_path: str | None = None, manage_engine: bool = True) -> FastAPI:
+    """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
+    model while the server already answers /health with 503) and stops it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine and async_engine.state == "created":
+            async_engine.start(asyncio.get_running_loop())
+        yield
+        if manage_engine:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="kernel-lab OpenAI-compatible server", lifespan=lifespan)
+    facts = dict(served_model_name=served_model_name, model_path=model_path)
+    for module, serving_class in ENDPOINTS:
+        module.add_routes(app, serving_class(async_engine, **facts))
+    server = OpenAIServing(async_engine, **facts)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        return engine_error(exc).response()
+
+    @app.get("/v1/models")
+    async def list_models():
+        return models(server)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        listing = models(server)
+        server.check_model(model_id)
+        return listing["data"][0]
+
+    @app.get("/health")
+    async def get_health():
+        return health(async_engine)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(async_engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app

@@ -1,0 +1,277 @@
+"""What every OpenAI endpoint shares: the served model's facts, prompt and parameter checks, submission to
+the AsyncEngine, collecting a whole answer, and the SSE loop. One module per endpoint
+(serving_completion.py, serving_chat.py) subclasses OpenAIServing and adds its routes; app.py assembles them.
+
+Handlers never touch the engine: they tokenize, validate, submit and read the engine's output deltas
+(RequestOutputKind.DELTA) from the request's stream. The engine's output processor already held back text
+that could still become a stop string and unfinished UTF-8 characters, so a delta goes to the client as it
+is and the concatenated stream always equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kernel_lab.engine.interface import Engine
+from kernel_lab.engine.outputs import CompletionOutput, RequestOutput, merge_deltas
+from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
+
+from .async_engine import AsyncEngine, EngineDead, EngineNotReady, QueueFull, RequestRejected, RequestStream
+from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error
+
+log = logging.getLogger("kernel_lab.server")
+
+
+class Job:
+    """One engine request inside an API request (one prompt, n choices)."""
+
+    def __init__(self, prompt_index: int, prompt_ids: list[int], prompt_text: str | None):
+        self.prompt_index = prompt_index
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.stream: RequestStream | None = None
+        self.completion_tokens = 0
+        self.finished = False
+
+    def count(self, delta: RequestOutput) -> None:
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        self.finished = delta.finished
+
+
+class OpenAIServing:
+    def __init__(self, async_engine: AsyncEngine, *, served_model_name: str | None = None,
+                 model_path: str | None = None):
+        self.async_engine = async_engine
+        self._served_name = served_model_name
+        self.model_path = model_path
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- the served model
+    @property
+    def engine(self) -> Engine:
+        return self.async_engine.engine
+
+    @property
+    def model_name(self) -> str:
+        return self._served_name or self.engine.config.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one server per process, the cache is its lifetime
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_ready(self) -> None:
+        try:
+            self.async_engine.check_ready()
+        except (EngineNotReady, EngineDead) as exc:
+            raise engine_error(exc) from exc
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    # ---------------------------------------------------------------- request building
+    def tokenize(self, text: str, param: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text))
+        except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer rejects is the client's error
+            raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.config.vocab_size
+        if any(t >= vocab for t in ids):
+            raise bad_request(f"{param} holds a token id outside the vocabulary (size {vocab})", param)
+
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
+                   prompt_param: str = "prompt") -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                              f"prompt has {prompt_len} tokens, leaving no room for a completion.", prompt_param)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                              f"{requested} for the completion).", param)
+        return requested
+
+    @staticmethod
+    def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
+                seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"invalid sampling parameters: {exc}") from exc
+
+    def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float) -> None:
+        try:
+            for job in jobs:
+                job.stream = self.async_engine.submit(f"{request_id}-{job.prompt_index}", job.prompt_ids, params,
+                                                      arrival)
+        except Exception as exc:
+            for job in jobs:
+                if job.stream is not None:
+                    job.stream.close()
+            if isinstance(exc, QueueFull):
+                self.async_engine.metrics.on_rejected("queue_full")
+            raise engine_error(exc) from exc
+
+    # ---------------------------------------------------------------- whole answers
+    @staticmethod
+    async def _watch_disconnect(raw: Request, jobs: list[Job]) -> bool:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                for job in jobs:
+                    job.stream.close()
+                return True
+
+    async def collect(self, raw: Request, jobs: list[Job]) -> list[list[CompletionOutput]]:
+        """Each job's completions, whole (its deltas merged once, at the end)."""
+        deltas: list[list[RequestOutput]] = [[] for _ in jobs]
+
+        async def drain(job: Job, into: list) -> None:
+            async for delta in job.stream:
+                job.count(delta)
+                into.append(delta)
+
+        watcher = asyncio.ensure_future(self._watch_disconnect(raw, jobs))
+        try:
+            await asyncio.gather(*(drain(job, into) for job, into in zip(jobs, deltas, strict=True)))
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        finally:
+            gone = watcher.done() and not watcher.cancelled() and watcher.exception() is None and watcher.result()
+            watcher.cancel()
+            for job in jobs:
+                job.stream.close()
+        if gone or not all(job.finished for job in jobs):
+            # nginx's "client closed request": nobody reads it, but the handler ends now
+            raise APIError(499, "the client disconnected before the completion finished", code="client_closed")
+        return [merge_deltas(d).outputs for d in deltas]
+
+    def response(self, request_id: str, obj: str, choices: list[dict], jobs: list[Job]) -> JSONResponse:
+        return JSONResponse({"id": request_id, "object": obj, "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": usage(jobs)})
+
+    # ---------------------------------------------------------------- streams
+    async def stream(self, body, jobs: list[Job], request_id: str, obj: str, first_choices: list[dict],
+                     make_choice):
+        """The SSE stream every generating route shares: `make_choice(job, delta, text_offset)` shapes a
+        choice from one completion's delta (text_offset: how much of the choice's text was sent before it)
+        and the loop adds the finish fields."""
+        created = int(time.time())
+        options = body.stream_options or StreamOptions()
+        sent_chars: dict[tuple[int, int], int] = {}
+        done: set[tuple[int, int]] = set()
+
+        def chunk(choices: list[dict], usage_: dict | None = None) -> str:
+            payload = {"id": request_id, "object": obj, "created": created, "model": self.model_name,
+                       "choices": choices}
+            if options.include_usage:
+                payload["usage"] = usage_
+            return sse_event(payload)
+
+        if first_choices:
+            yield chunk(first_choices)
+        async for job, delta in _merged(jobs):
+            job.count(delta)
+            choices = []
+            for out in delta.outputs:
+                key = (job.prompt_index, out.index)
+                final = out.finish_reason is not None
+                if key in done or not (out.text or out.token_ids or final):
+                    continue
+                offset = sent_chars.get(key, 0)
+                choice = make_choice(job, out, offset)
+                choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason if final else None)
+                choices.append(choice)
+                sent_chars[key] = offset + len(out.text)
+                if final:
+                    done.add(key)
+            if choices:
+                yield chunk(choices, usage(jobs) if options.continuous_usage_stats else None)
+        if options.include_usage:
+            yield chunk([], usage(jobs))
+
+    def sse(self, events, jobs: list[Job]) -> StreamingResponse:
+        async def guarded():
+            try:
+                async for event in events:
+                    yield event
+            except APIError as exc:
+                yield sse_event(exc.body())
+            except (EngineDead, RequestRejected, QueueFull, EngineNotReady) as exc:
+                yield sse_event(engine_error(exc).body())
+            except Exception as exc:  # noqa: BLE001 - headers are gone; report in-band
+                log.exception("error while streaming")
+                yield sse_event(engine_error(exc).body())
+            finally:
+                # also reached when the client disconnects (the task is cancelled): abort what still runs
+                for job in jobs:
+                    job.stream.close()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def usage(jobs: list[Job]) -> dict:
+    prompt = sum(len(job.prompt_ids) for job in jobs)
+    completion = sum(job.completion_tokens for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def _merged(jobs: list[Job]):
+    """Yield (job, delta) from several streams as they arrive; one stream needs no tasks."""
+    if len(jobs) == 1:
+        async for delta in jobs[0].stream:
+            yield jobs[0], delta
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for delta in job.stream:
+                merged.put_nowait((job, delta))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            merged.put_nowait((job, exc))
+        merged.put_nowait((job, None))
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            job, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield job, item
+    finally:
+        for task in tasks:
+            task.cancel()
