@@ -1,4 +1,4 @@
-// Test driver for the host build of the paged KV kernels: `harness decode|write_kv|convert DIR`.
+// Test driver for the host build of the paged KV kernels: `harness decode|write_kv|convert|selftest DIR`.
 //
 // DIR holds params.txt (`name value` lines: the launch parameters, named as in paged_kernels.h) and one
 // NAME.bin per buffer. Every buffer is copied into a guarded allocation (poisoned margins on both sides, as
@@ -19,6 +19,8 @@
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #endif
+
+int run_selftest(const char* name, const int* in, int* out);  // selftest.cu
 
 namespace {
 
@@ -207,11 +209,15 @@ int run_convert() {
   return 0;
 }
 
+int run_selftest_case() {
+  return run_selftest(g_params.at("case").c_str(), buffer<int>("in"), buffer<int>("out"));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: %s decode|write_kv|convert DIR\n", argv[0]);
+    std::fprintf(stderr, "usage: %s decode|write_kv|convert|selftest DIR\n", argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -222,6 +228,8 @@ int main(int argc, char** argv) {
     status = run_decode();
   } else if (mode == "write_kv") {
     status = run_write_kv();
+  } else if (mode == "selftest") {
+    status = run_selftest_case();
   } else if (mode == "convert") {
     status = run_convert();
   } else {

@@ -3,6 +3,7 @@
 // -fsanitize=thread access hooks. This file itself is never instrumented.
 #include "simt.h"
 
+#include <link.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -16,12 +17,45 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-extern "C" unsigned char __start_kl_simt_shared[];
-extern "C" unsigned char __stop_kl_simt_shared[];
 
 namespace simt {
 
-unsigned char dynamic_shared[kDynamicSharedBytes] __attribute__((section("kl_simt_shared"), aligned(16)));
+thread_local unsigned char dynamic_shared[kDynamicSharedBytes] __attribute__((aligned(16)));
+
+namespace {
+
+// The executable's TLS block: every __shared__ variable (see simt.h) and dynamic_shared, nothing else.
+struct SharedRange {
+  unsigned char* begin = nullptr;
+  size_t bytes = 0;
+};
+
+int find_main_tls(dl_phdr_info* info, size_t, void* data) {
+  auto* range = static_cast<SharedRange*>(data);
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    if (info->dlpi_phdr[i].p_type == PT_TLS) {
+      range->begin = static_cast<unsigned char*>(info->dlpi_tls_data);
+      range->bytes = info->dlpi_phdr[i].p_memsz;
+    }
+  }
+  return 1;  // the first module reported is the executable itself
+}
+
+// Set while a block runs (outside kernels no address is shared memory).
+const unsigned char* g_shared_begin = nullptr;
+size_t g_shared_bytes = 0;
+
+const SharedRange& shared_range() {
+  static const SharedRange range = [] {
+    SharedRange r;
+    dl_iterate_phdr(find_main_tls, &r);
+    if (!r.begin || r.bytes < kDynamicSharedBytes) fail("cannot find the executable's TLS block (shared memory)");
+    return r;
+  }();
+  return range;
+}
+
+}  // namespace
 
 namespace {
 
@@ -358,7 +392,9 @@ void run_block(dim3 block) {
   g_block.at_barrier = 0;
   g_block.barrier_epoch = 0;
   ++g_block.serial;
-  std::memset(__start_kl_simt_shared, kSharedPoison, __stop_kl_simt_shared - __start_kl_simt_shared);
+  std::memset(shared_range().begin, kSharedPoison, shared_range().bytes);
+  g_shared_begin = shared_range().begin;
+  g_shared_bytes = shared_range().bytes;
   std::vector<int> runnable;
   for (;;) {
     runnable.clear();
@@ -449,7 +485,7 @@ struct ShadowByte {
 };
 
 std::vector<ShadowByte>& shadow() {
-  static std::vector<ShadowByte> bytes(__stop_kl_simt_shared - __start_kl_simt_shared);
+  static std::vector<ShadowByte> bytes(shared_range().bytes);
   return bytes;
 }
 
@@ -461,14 +497,17 @@ bool ordered(const Fiber* self, int other, uint32_t clock) {
 }
 
 void access(const void* p, size_t bytes, bool is_write) {
-  Fiber* self = g_current;
   const unsigned char* c = static_cast<const unsigned char*>(p);
-  if (!self || c < __start_kl_simt_shared || c >= __stop_kl_simt_shared) return;
+  const unsigned char* begin = g_shared_begin;
+  // Most accesses are to registers spilled to the stack or to global memory: one unsigned compare.
+  if (static_cast<size_t>(c - begin) >= g_shared_bytes) return;
+  Fiber* self = g_current;
+  if (!self) return;
   const uint32_t epoch = g_block.barrier_epoch, serial = g_block.serial;
   const uint32_t my_clock = self->lane_clock[self->lane];
   for (size_t i = 0; i < bytes; ++i) {
-    ShadowByte& s = shadow()[c + i - __start_kl_simt_shared];
-    const long offset = static_cast<long>(c + i - __start_kl_simt_shared);
+    ShadowByte& s = shadow()[c + i - begin];
+    const long offset = static_cast<long>(c + i - begin);
     if (s.serial != serial) s = ShadowByte{serial, 0, 0, 0, 0, 0, -1, -1};
     const bool written_now = s.writer >= 0 && s.write_epoch == epoch && s.writer != self->linear;
     if (written_now && !ordered(self, s.writer, s.write_clock)) {
@@ -487,8 +526,8 @@ void access(const void* p, size_t bytes, bool is_write) {
       s.write_clock = my_clock;
     } else {
       if (s.writer < 0) {
-        fail("read of shared byte %ld, which no thread of this block has written (uninitialised shared memory)",
-             offset);
+        fail("read of shared byte %ld before any thread of this block wrote it: uninitialised shared memory, or a "
+             "race with a write still to come (a missing __syncthreads()?)", offset);
       }
       if (s.read_epoch != epoch) s.read_warps = 0;
       s.read_warps |= 1u << self->warp;

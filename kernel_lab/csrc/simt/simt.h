@@ -45,12 +45,14 @@
 #endif
 #define __CUDA_ARCH__ KL_SIMT_ARCH
 
-// Every static __shared__ variable of the program goes into this section: the runtime finds all of them
-// between __start_/__stop_kl_simt_shared, poisons them per block and tracks accesses to them.
+// Every __shared__ variable is thread-local, and nothing else in the program is: all of them make up the
+// executable's TLS block, which the runtime finds (dl_iterate_phdr), poisons before every block and tracks.
+// (A section attribute would do, but GCC 12 ignores it on statics of function templates.) The fibers of a
+// block share one OS thread, so each variable is one array per block.
 #undef __shared__
 #undef __align__
-#define __shared__ static __attribute__((section("kl_simt_shared"), aligned(16)))
-#define __align__(n) alignas(n)
+#define __shared__ static thread_local __attribute__((aligned(16)))
+#define __align__(n) __attribute__((aligned(n)))
 
 namespace simt {
 
@@ -69,7 +71,7 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
 unsigned active_mask();
 
 // Dynamic shared memory (`extern __shared__ T name[];` becomes a pointer to this, see cuda_host.py).
-extern unsigned char dynamic_shared[];
+extern thread_local unsigned char dynamic_shared[];
 constexpr size_t kDynamicSharedBytes = 96 * 1024;
 
 // Asynchronous copies (cp.async through the __pipeline primitives): queued per thread at issue, performed
