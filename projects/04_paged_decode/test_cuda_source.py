@@ -43,7 +43,13 @@ def decode_case(hq, hkv, head_dim, block_size, dtype, cache_dtype=None, plan=Non
     q, kc, vc, bt, sl, ks, vs = make_case(seed, batch=len(lengths), num_q_heads=hq, num_kv_heads=hkv,
                                           head_dim=head_dim, block_size=block_size, lengths=lengths,
                                           max_blocks=max_blocks, dtype=dtype, cache_dtype=cache_dtype)
-    poison_unread_slots(kc, vc, bt, sl)
+    if kc.dtype == torch.float8_e4m3fn:  # no NaN assignment for fp8: mark the slots on a float stand-in
+        unread = torch.zeros((*kc.shape[:2], 1, 1))
+        poison_unread_slots(unread, unread.clone(), bt, sl)
+        for cache in (kc, vc):
+            cache.view(torch.uint8)[torch.isnan(unread[:, :, 0, 0])] = 0x7F  # E4M3's NaN
+    else:
+        poison_unread_slots(kc, vc, bt, sl)
     q = q * 2  # logits of a few units: the running max moves along the sequence, so the rescales matter
     out = poison(torch.empty_like(q))
     if strided:  # q and out as slices of wider rows, as the engine's fused QKV gives them
@@ -227,19 +233,23 @@ def test_ordered_shared_accesses_cp_async_and_dynamic_shared_memory_pass():
 # lane-group merge shuffles, an off-by-one token bound (reads a NaN slot past the sequence), a max turned
 # into a min in the online softmax.
 MUTATIONS = {
-    "removed_barrier": ([("  __syncthreads();\n\n  // Merge the warps", "\n\n  // Merge the warps")], "race"),
+    # name: (edits of paged_attention.cu, build flavour, what catches it)
+    "removed_barrier": ([("  __syncthreads();\n\n  // Merge the warps", "\n\n  // Merge the warps")], "race",
+                        cuda_host.SimtError),
     "skipped_shuffle_stage": ([("for (int offset = kLanes; offset < kWarpSize; offset <<= 1)",
-                                "for (int offset = kLanes; offset < kWarpSize / 2; offset <<= 1)")], "asan"),
-    "off_by_one_bound": ([("valid[c] = offset < block_tokens;", "valid[c] = offset <= block_tokens;")], "asan"),
+                                "for (int offset = kLanes; offset < kWarpSize / 2; offset <<= 1)")], "asan",
+                              AssertionError),
+    "off_by_one_bound": ([("valid[c] = offset < block_tokens;", "valid[c] = offset <= block_tokens;")], "asan",
+                         (AssertionError, cuda_host.SimtError)),  # a NaN slot, or past the pool: ASan
     "swapped_max": ([("const float new_max = fmaxf(run_max[g], chunk_max);",
-                      "const float new_max = fminf(run_max[g], chunk_max);")], "asan"),
+                      "const float new_max = fminf(run_max[g], chunk_max);")], "asan", AssertionError),
 }
 
 
 @pytest.mark.parametrize("defect", list(MUTATIONS))
 def test_a_seeded_defect_fails_the_decode_tests(defect):
-    edits, flavour = MUTATIONS[defect]
+    edits, flavour, caught_by = MUTATIONS[defect]
     case = decode_case(8, 2, 64, 8, torch.float16, plan=SplitPlan(1, 4, 2, 2), seed_parts=(defect,))
     check_decode(case, flavour=flavour)  # the unmutated source passes the same check
-    with pytest.raises((AssertionError, cuda_host.SimtError)):
+    with pytest.raises(caught_by):
         check_decode(case, flavour=flavour, mutations={"paged_attention.cu": edits})
