@@ -195,7 +195,7 @@ def test_shuffles_and_votes_follow_cuda_semantics():
     out = selftest("shuffles").view(64, 9)
     for t in range(64):
         w, lane = divmod(t, 32)
-        v = lambda src: 100 * w + src  # noqa: E731
+        v = lambda src, w=w: 100 * w + src  # noqa: E731
         group8, group16 = lane & ~7, lane & ~15
         xor8 = lane ^ 8  # width 8: a later group of 8 is out of reach (own value), an earlier one is not
         expected = [v(lane ^ 5), v(xor8) if xor8 < group8 + 8 else v(lane), v(lane + 3) if lane + 3 < 32 else v(lane),

@@ -146,6 +146,17 @@ def test_cuda_write_kv_same_dtype_caches_copy_rows_exactly(dtype):
     assert torch.equal(vc.view(torch.uint8), expected_v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.float16])
+def test_a_slot_past_the_pool_is_an_asan_error(cache_dtype):
+    """Python validation bypassed: the kernels write (or requantise) a page after the last one."""
+    from kernel_lab.ops import allocate_kv_cache
+
+    kc, vc, ks, vs = allocate_kv_cache(2, 8, 2, 64, cache_dtype, "cpu")
+    key = randn((2, 2, 64), torch.float32 if cache_dtype == FP8_DTYPE else cache_dtype, "cpu", 3)
+    with pytest.raises(cuda_host.SimtError, match="AddressSanitizer"):
+        cuda_host.write_kv(key, key.clone(), kc, vc, torch.tensor([3, 2 * 8]), ks, vs)
+
+
 # --------------------------------------------------------------------------------------------- fp8 decode
 @pytest.mark.parametrize("arch", [800, 890])
 @pytest.mark.parametrize("hq, hkv, head_dim, block_size, dtype, plan", [
