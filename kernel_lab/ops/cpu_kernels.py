@@ -15,7 +15,8 @@ attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, 
 and `norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
 02). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
-every build's cache key.
+every build's cache key. `cached_path`/`cached_build` also cache the SIMT host build of the CUDA sources
+(`cuda_host.py`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_common.cuh"
@@ -86,66 +88,47 @@ int64_t param(const std::string& name) {
   return std::stoll(it->second);
 }
 
+// Launch parameters and buffers by field name (params.txt and NAME.bin use paged_kernels.h's names).
+#define KL_BUFFER(field) p.field = buffer<std::remove_pointer_t<decltype(p.field)>>(#field)
+#define KL_PARAM(field) p.field = static_cast<decltype(p.field)>(param(#field))
+
 int run_decode() {
   kernel_lab::PagedDecodeParams p{};
-  p.q = buffer<void>("q");
-  p.k_cache = buffer<void>("k_cache");
-  p.v_cache = buffer<void>("v_cache");
-  p.block_tables = buffer<int32_t>("block_tables");
-  p.seq_lens = buffer<int32_t>("seq_lens");
-  p.k_scale = buffer<float>("k_scale");
-  p.v_scale = buffer<float>("v_scale");
-  p.out = buffer<void>("out");
-  p.partial_out = buffer<float>("partial_out");
-  p.partial_stats = buffer<float>("partial_stats");
-  p.q_batch_stride = param("q_batch_stride");
-  p.q_head_stride = param("q_head_stride");
-  p.out_batch_stride = param("out_batch_stride");
-  p.out_head_stride = param("out_head_stride");
-  p.k_block_stride = param("k_block_stride");
-  p.v_block_stride = param("v_block_stride");
-  p.block_table_stride = param("block_table_stride");
-  p.batch = static_cast<int>(param("batch"));
-  p.num_q_heads = static_cast<int>(param("num_q_heads"));
-  p.num_kv_heads = static_cast<int>(param("num_kv_heads"));
-  p.head_dim = static_cast<int>(param("head_dim"));
-  p.block_size = static_cast<int>(param("block_size"));
-  p.log2_block_size = static_cast<int>(param("log2_block_size"));
-  p.heads_per_group = static_cast<int>(param("heads_per_group"));
-  p.head_groups = static_cast<int>(param("head_groups"));
-  p.partition_blocks = static_cast<int>(param("partition_blocks"));
-  p.num_splits = static_cast<int>(param("num_splits"));
+  KL_BUFFER(q), KL_BUFFER(k_cache), KL_BUFFER(v_cache), KL_BUFFER(block_tables), KL_BUFFER(seq_lens);
+  KL_BUFFER(k_scale), KL_BUFFER(v_scale), KL_BUFFER(out), KL_BUFFER(partial_out), KL_BUFFER(partial_stats);
+  KL_PARAM(q_batch_stride), KL_PARAM(q_head_stride), KL_PARAM(out_batch_stride), KL_PARAM(out_head_stride);
+  KL_PARAM(k_block_stride), KL_PARAM(v_block_stride), KL_PARAM(block_table_stride);
+  KL_PARAM(batch), KL_PARAM(num_q_heads), KL_PARAM(num_kv_heads), KL_PARAM(head_dim);
+  KL_PARAM(block_size), KL_PARAM(log2_block_size), KL_PARAM(heads_per_group), KL_PARAM(head_groups);
+  KL_PARAM(partition_blocks), KL_PARAM(num_splits), KL_PARAM(q_is_bf16), KL_PARAM(cache_kind);
   p.scale = std::stof(g_params.at("scale"));
-  p.q_is_bf16 = static_cast<int>(param("q_is_bf16"));
-  p.cache_kind = static_cast<int>(param("cache_kind"));
   return kernel_lab::launch_paged_decode(p, nullptr);
 }
 
 int run_write_kv() {
   kernel_lab::WriteKVParams p{};
-  p.key = buffer<void>("key");
-  p.value = buffer<void>("value");
-  p.k_cache = buffer<void>("k_cache");
-  p.v_cache = buffer<void>("v_cache");
-  p.slot_mapping = buffer<int64_t>("slot_mapping");
-  p.k_scale = buffer<float>("k_scale");
-  p.v_scale = buffer<float>("v_scale");
-  p.k_scale_next = buffer<float>("k_scale_next");
-  p.v_scale_next = buffer<float>("v_scale_next");
-  p.page_leader = buffer<int32_t>("page_leader");
-  p.key_token_stride = param("key_token_stride");
-  p.key_head_stride = param("key_head_stride");
-  p.value_token_stride = param("value_token_stride");
-  p.value_head_stride = param("value_head_stride");
-  p.k_block_stride = param("k_block_stride");
-  p.v_block_stride = param("v_block_stride");
-  p.num_tokens = static_cast<int>(param("num_tokens"));
-  p.num_kv_heads = static_cast<int>(param("num_kv_heads"));
-  p.head_dim = static_cast<int>(param("head_dim"));
-  p.block_size = static_cast<int>(param("block_size"));
-  p.input_kind = static_cast<int>(param("input_kind"));
-  p.cache_kind = static_cast<int>(param("cache_kind"));
+  KL_BUFFER(key), KL_BUFFER(value), KL_BUFFER(k_cache), KL_BUFFER(v_cache), KL_BUFFER(slot_mapping);
+  KL_BUFFER(k_scale), KL_BUFFER(v_scale), KL_BUFFER(k_scale_next), KL_BUFFER(v_scale_next), KL_BUFFER(page_leader);
+  KL_PARAM(key_token_stride), KL_PARAM(key_head_stride), KL_PARAM(value_token_stride), KL_PARAM(value_head_stride);
+  KL_PARAM(k_block_stride), KL_PARAM(v_block_stride), KL_PARAM(num_tokens), KL_PARAM(num_kv_heads);
+  KL_PARAM(head_dim), KL_PARAM(block_size), KL_PARAM(input_kind), KL_PARAM(cache_kind);
   return kernel_lab::launch_write_kv(p, nullptr);
+}
+
+// Every bit pattern of a format (Bits wide), 8 at a time as the kernels load them (Raw), through each decoder.
+template <class Raw, class Bits>
+void decode_every(std::initializer_list<std::pair<void (*)(const Raw&, float (&)[8]), std::vector<float>*>> decoders) {
+  for (size_t i = 0; i < (size_t{1} << (8 * sizeof(Bits))); i += 8) {
+    Bits bits[8];
+    for (size_t e = 0; e < 8; ++e) bits[e] = static_cast<Bits>(i + e);
+    Raw raw;
+    std::memcpy(&raw, bits, sizeof(raw));
+    for (const auto& [decode, out] : decoders) {
+      float f[8];
+      decode(raw, f);
+      std::memcpy(out->data() + i, f, sizeof(f));
+    }
+  }
 }
 
 // The conversions the kernels use, over all 2^16 fp16 / bf16 and 2^8 e4m3 bit patterns and the floats in
@@ -170,28 +153,9 @@ int run_convert() {
     std::memcpy(&to_fp8[i], &packed, 8);
   }
   std::vector<float> from_half(65536), from_bf16(65536), from_fp8(256), from_fp8_folded(256);
-  for (uint32_t i = 0; i < 65536; i += 8) {
-    uint16_t bits[8];
-    for (uint32_t e = 0; e < 8; ++e) bits[e] = static_cast<uint16_t>(i + e);
-    uint4 raw;
-    std::memcpy(&raw, bits, 16);
-    float f[8];
-    kernel_lab::half8_to_float(raw, f);
-    std::memcpy(&from_half[i], f, 32);
-    kernel_lab::bf16x8_to_float(raw, f);
-    std::memcpy(&from_bf16[i], f, 32);
-  }
-  for (uint32_t i = 0; i < 256; i += 8) {
-    uint8_t bytes[8];
-    for (uint32_t e = 0; e < 8; ++e) bytes[e] = static_cast<uint8_t>(i + e);
-    uint2 raw;
-    std::memcpy(&raw, bytes, 8);
-    float f[8];
-    kernel_lab::fp8x8_to_float_exact(raw, f);
-    std::memcpy(&from_fp8[i], f, 32);
-    kernel_lab::fp8x8_to_float(raw, f);
-    std::memcpy(&from_fp8_folded[i], f, 32);
-  }
+  decode_every<uint4, uint16_t>({{kernel_lab::half8_to_float, &from_half}, {kernel_lab::bf16x8_to_float, &from_bf16}});
+  decode_every<uint2, uint8_t>(
+      {{kernel_lab::fp8x8_to_float_exact, &from_fp8}, {kernel_lab::fp8x8_to_float, &from_fp8_folded}});
   auto write = [](const char* name, const void* data, size_t bytes) {
     std::ofstream out(g_dir + "/" + name, std::ios::binary);
     out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));

@@ -3,10 +3,11 @@
 // runtime checks and what it cannot tell you: kernel_lab/csrc/simt/README.md.
 //
 // Model: a launch runs the blocks of its grid one after another (in a seeded random order); the threads of a
-// block are fibers (ucontext, one small stack each) switched only at synchronisation points, in a seeded
-// random order. `__shared__` variables live in one linker section, reset to a NaN byte pattern before every
-// block, so the section is "one array per block". Warp collectives rendezvous the lanes their mask names and
-// fail on a wrong mask; `__syncthreads()` fails unless every thread of the block reaches the same one.
+// block are fibers (ucontext, a 256 KiB stack each) switched only at synchronisation points, in a seeded
+// random order. `__shared__` variables are thread-local (all of them: the executable's TLS block), reset to a
+// NaN byte pattern before every block, so each is one array per block. Warp collectives rendezvous the lanes
+// their mask names and fail on a wrong mask; `__syncthreads()` fails unless every thread of the block
+// reaches the same one.
 //
 // Adding an intrinsic: write it below as a plain inline function with CUDA's signature and semantics
 // (lane-level ones through simt::warp_collective, see __shfl_sync). If the kernel reaches it through inline
@@ -202,43 +203,33 @@ inline T __ldg(const T* ptr) {
 }
 
 // Fibers switch only at synchronisation points, so a read-modify-write is atomic as written.
-inline int atomicMax(int* address, int v) {
-  const int old = *address;
-  *address = old > v ? old : v;
+namespace simt {
+template <class T, class Next>
+inline T atomic_update(T* address, Next next) {
+  const T old = *address;
+  *address = next(old);
   return old;
 }
-inline int atomicMin(int* address, int v) {
-  const int old = *address;
-  *address = old < v ? old : v;
-  return old;
+}  // namespace simt
+template <class T>
+inline T atomicMax(T* address, T v) {
+  return ::simt::atomic_update(address, [v](T old) { return old > v ? old : v; });
 }
-inline unsigned atomicMax(unsigned* address, unsigned v) {
-  const unsigned old = *address;
-  *address = old > v ? old : v;
-  return old;
-}
-inline unsigned atomicMin(unsigned* address, unsigned v) {
-  const unsigned old = *address;
-  *address = old < v ? old : v;
-  return old;
+template <class T>
+inline T atomicMin(T* address, T v) {
+  return ::simt::atomic_update(address, [v](T old) { return old < v ? old : v; });
 }
 template <class T>
 inline T atomicAdd(T* address, T v) {
-  const T old = *address;
-  *address = old + v;
-  return old;
+  return ::simt::atomic_update(address, [v](T old) { return old + v; });
 }
 template <class T>
 inline T atomicExch(T* address, T v) {
-  const T old = *address;
-  *address = v;
-  return old;
+  return ::simt::atomic_update(address, [v](T) { return v; });
 }
 template <class T>
 inline T atomicCAS(T* address, T compare, T v) {
-  const T old = *address;
-  if (old == compare) *address = v;
-  return old;
+  return ::simt::atomic_update(address, [=](T old) { return old == compare ? v : old; });
 }
 
 // ------------------------------------------------------------------------------------------ integer and bits
