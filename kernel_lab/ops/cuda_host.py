@@ -163,11 +163,12 @@ def _storage_bytes(t: torch.Tensor) -> bytes:
 
 
 def run(mode: str, tensors: dict[str, torch.Tensor], params: dict[str, int | float], *, flavour: str = "asan",
-        arch: int = 890, seed: int = 1, mutations=None) -> dict[str, torch.Tensor]:
+        arch: int = 890, seed: int | None = None, mutations=None) -> dict[str, torch.Tensor]:
     """Run the harness in `mode` over CPU `tensors` (their bytes, strides kept) and `params`; returns every
     tensor as the kernels left it (new tensors; the inputs are untouched). Raises SimtError when the kernel
-    fails a runtime check."""
+    fails a runtime check. `seed` draws the block and fiber order (default: $KL_SIMT_SEED, else 1)."""
     exe = build(flavour, arch, mutations)
+    seed = int(os.environ.get("KL_SIMT_SEED", "1")) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="kl-simt-run-") as tmp:
         lines = [f"{k} {v if isinstance(v, str) else repr(float(v)) if isinstance(v, float) else int(v)}"
                  for k, v in params.items()]

@@ -89,9 +89,11 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("flavour", cuda_host.FLAVOURS)
 @pytest.mark.parametrize("hq, hkv, head_dim, block_size, dtype, plan", DECODE_CASES)
-def test_cuda_decode_matches_float64(hq, hkv, head_dim, block_size, dtype, plan):
-    check_decode(decode_case(hq, hkv, head_dim, block_size, dtype, plan=plan))
+def test_cuda_decode_matches_float64(hq, hkv, head_dim, block_size, dtype, plan, flavour):
+    """asan: bounds of every buffer; race: every shared access of the warp merge checked per barrier interval."""
+    check_decode(decode_case(hq, hkv, head_dim, block_size, dtype, plan=plan), flavour=flavour)
 
 
 def test_cuda_decode_with_strided_q_and_out_and_a_long_sequence():
@@ -99,12 +101,6 @@ def test_cuda_decode_with_strided_q_and_out_and_a_long_sequence():
     assert case["plan"].num_splits == 1
     out = check_decode(case)
     assert out.stride() != case["q"].contiguous().stride()
-
-
-def test_cuda_decode_under_the_race_detector():
-    """The shared-memory warp merge and the split merge, with every shared access checked per barrier interval."""
-    check_decode(decode_case(8, 2, 64, 8, torch.bfloat16, plan=SplitPlan(1, 4, 1, 3)), flavour="race")
-    check_decode(decode_case(4, 4, 256, 16, torch.float16), flavour="race")
 
 
 def test_cuda_decode_result_does_not_depend_on_thread_or_block_order():

@@ -158,15 +158,15 @@ def test_a_slot_past_the_pool_is_an_asan_error(cache_dtype):
 
 
 # --------------------------------------------------------------------------------------------- fp8 decode
-@pytest.mark.parametrize("arch", [800, 890])
+@pytest.mark.parametrize("arch, flavour", [(800, "asan"), (890, "asan"), (890, "race")])
 @pytest.mark.parametrize("hq, hkv, head_dim, block_size, dtype, plan", [
     (8, 2, 64, 16, torch.bfloat16, SplitPlan(1, 4, 1, 3)),
     (4, 1, 256, 8, torch.float16, None),
     (2, 2, 128, 32, torch.bfloat16, SplitPlan(1, 1, 2, 2)),
 ])
-def test_cuda_fp8_decode_matches_float64(arch, hq, hkv, head_dim, block_size, dtype, plan):
+def test_cuda_fp8_decode_matches_float64(arch, flavour, hq, hkv, head_dim, block_size, dtype, plan):
     case = _source04.decode_case(hq, hkv, head_dim, block_size, dtype, cache_dtype=FP8_DTYPE, plan=plan)
-    _source04.check_decode(case, arch=arch)
+    _source04.check_decode(case, arch=arch, flavour=flavour)
 
 
 # --------------------------------------------------------------------------------------------- conversions
