@@ -196,16 +196,21 @@ def test_fp8_conversions_are_bit_exact_over_every_input(arch):
 
 # --------------------------------------------------------------------------------------------- seeded defects
 KV_MUTATIONS = {
-    # a requantisation loop that runs one row past the page, a max turned into a min in the amax, the
-    # __syncwarp that keeps lane 0 from publishing the new scale before its row mates have read the old one
-    "off_by_one_bound": [("for (int offset = 0; offset < p.block_size; ++offset)",
-                          "for (int offset = 0; offset <= p.block_size; ++offset)")],
-    "swapped_max": [("k_max = fmaxf(k_max, finite_abs(k[e]));", "k_max = fminf(k_max, finite_abs(k[e]));")],
-    "removed_syncwarp": [("  __syncwarp(row_lanes);\n", "  (void)row_lanes;\n")],
+    # a requantisation loop that runs one row past the page, a max turned into a min in the amax, the row
+    # amax's last shuffle stage skipped (kernel_common.cuh's group_max), the __syncwarp that keeps lane 0 from
+    # publishing the new scale before its row mates have read the old one
+    "off_by_one_bound": ("kv_cache.cu", [("for (int offset = 0; offset < p.block_size; ++offset)",
+                                          "for (int offset = 0; offset <= p.block_size; ++offset)")]),
+    "swapped_max": ("kv_cache.cu", [("k_max = fmaxf(k_max, finite_abs(k[e]));",
+                                     "k_max = fminf(k_max, finite_abs(k[e]));")]),
+    "skipped_shuffle_stage": ("kernel_common.cuh", [("offset > 0; offset >>= 1) v = fmaxf",
+                                                     "offset > 1; offset >>= 1) v = fmaxf")]),
+    "removed_syncwarp": ("kv_cache.cu", [("  __syncwarp(row_lanes);\n", "  (void)row_lanes;\n")]),
 }
 
 
 @pytest.mark.parametrize("defect", list(KV_MUTATIONS))
 def test_a_seeded_defect_fails_the_write_kv_tests(defect):
+    source, edits = KV_MUTATIONS[defect]
     with pytest.raises((AssertionError, cuda_host.SimtError)):
-        check_write_sequence(dtypes=(torch.float32,), mutations={"kv_cache.cu": KV_MUTATIONS[defect]})
+        check_write_sequence(dtypes=(torch.float32,), mutations={source: edits})
