@@ -17,7 +17,6 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-
 namespace simt {
 
 thread_local unsigned char dynamic_shared[kDynamicSharedBytes] __attribute__((aligned(16)));
@@ -54,10 +53,6 @@ const SharedRange& shared_range() {
   }();
   return range;
 }
-
-}  // namespace
-
-namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;  // ASan's redzones make frames several times larger
 constexpr unsigned char kSharedPoison = 0xff;  // every float and half made of these bytes is a NaN
@@ -104,7 +99,6 @@ struct Block {
   uint32_t barrier_epoch = 0;
   uint32_t serial = 0;  // distinguishes blocks in the race shadow
   ucontext_t scheduler;
-  dim3 dim;
   BlockBody body;
   void* closure;
 };
@@ -442,13 +436,11 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_smem, BlockBody body,
     g_last_error = cudaErrorInvalidValue;
     return g_last_error;
   }
+  static std::vector<unsigned char*> stacks;  // kept for the process's later launches
+  while (stacks.size() < threads) stacks.push_back(static_cast<unsigned char*>(std::malloc(kStackBytes)));
   std::vector<Fiber>& fibers = g_block.fibers;
-  if (fibers.size() < threads) {
-    const size_t old = fibers.size();
-    fibers.resize(threads);
-    for (size_t i = old; i < threads; ++i) fibers[i].stack = static_cast<unsigned char*>(std::malloc(kStackBytes));
-  }
-  fibers.resize(threads);  // stacks of a larger earlier launch are kept (leaked on purpose: a test process)
+  fibers.resize(threads);
+  for (size_t i = 0; i < threads; ++i) fibers[i].stack = stacks[i];
   g_block.warps.assign((threads + 31) / 32, {});
   g_block.body = body;
   g_block.closure = closure;
