@@ -72,7 +72,10 @@ def cuda_include() -> Path | None:
 
 
 def unavailable() -> str | None:
-    """Why the host build cannot run here (None: it can)."""
+    """Why the host build's tests do not run here (None: they do). On a CUDA machine the kernels run on the
+    device instead (the GPU suite's time is for that), unless KERNEL_LAB_CUDA_SOURCE=1."""
+    if torch.cuda.is_available() and os.environ.get("KERNEL_LAB_CUDA_SOURCE") != "1":
+        return "a CUDA device is present: the GPU tests run the kernels there (KERNEL_LAB_CUDA_SOURCE=1 forces these)"
     if cxx_compiler() is None:
         return "no C++ compiler ($CXX, c++, g++ or clang++)"
     if cuda_include() is None:
