@@ -76,6 +76,11 @@ def unavailable() -> str | None:
     device instead (the GPU suite's time is for that), unless KERNEL_LAB_CUDA_SOURCE=1."""
     if torch.cuda.is_available() and os.environ.get("KERNEL_LAB_CUDA_SOURCE") != "1":
         return "a CUDA device is present: the GPU tests run the kernels there (KERNEL_LAB_CUDA_SOURCE=1 forces these)"
+    return missing_tools()
+
+
+def missing_tools() -> str | None:
+    """What the host build lacks here (None: nothing)."""
     if cxx_compiler() is None:
         return "no C++ compiler ($CXX, c++, g++ or clang++)"
     if cuda_include() is None:
@@ -109,7 +114,7 @@ def build(flavour: str = "asan", arch: int = 890, mutations: dict[str, list[tupl
         raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     if arch not in (800, 890):
         raise ValueError(f"arch must be 800 or 890, got {arch}")
-    reason = unavailable()
+    reason = missing_tools()
     if reason:
         raise RuntimeError(f"the SIMT host build is unavailable: {reason}")
     cxx = cxx_compiler()
