@@ -13,7 +13,8 @@ branches see. `mutations` patches the source text of a copy first (the mutation 
 Two things nvcc's front end handles are not C++, and the builder rewrites them in its copy of each source:
 `kernel<<<grid, block, smem, stream>>>(args)` becomes `kernel * ::simt::launch_config(grid, block, smem,
 stream)(args)`, and `extern __shared__ T name[];` a pointer into the runtime's dynamic shared arena. The kernel
-bodies are compiled as they are.
+bodies are compiled as they are (kernel_common.cuh's inline-PTX fast_exp2 has an `#ifdef KERNEL_LAB_SIMT`
+host branch).
 
 `paged_decode` and `write_kv` take torch CPU tensors and fill the launch parameters as bindings.cpp does.
 """
@@ -134,8 +135,8 @@ def build(flavour: str = "asan", arch: int = 890, mutations: dict[str, list[tupl
             path = src / name if name in sources else SIMT / name
             kernel = name in KERNEL_SOURCES
             flags = (KERNEL_OPT[flavour] if kernel else "-O1", *base, "-I", str(src))
-            if flavour == "race" and kernel:
-                flags += RACE_HOOKS
+            if flavour == "race" and kernel:  # clang has no --param (its func-entry hooks are no-ops anyway)
+                flags += RACE_HOOKS[:1] if "clang" in version.decode() else RACE_HOOKS
             language = ("-x", "c++") if name.endswith(".cu") else ()
             key = (path.read_bytes(), headers, " ".join(f for f in flags if f != str(src)).encode(), cxx.encode(),
                    version)
