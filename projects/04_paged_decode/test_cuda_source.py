@@ -205,6 +205,7 @@ def test_shuffles_and_votes_follow_cuda_semantics():
     ("reads_a_lane_outside_the_mask", "reads lane 16, which the mask does not name"),
     ("divergent_barrier", "divergent __syncthreads"),
     ("barrier_then_exit", "divergent __syncthreads"),
+    ("collective_against_barrier", "deadlock: waits in __shfl_xor_sync with mask 0xffffffff; lanes 0xffff0000"),
 ])
 def test_wrong_masks_and_divergent_barriers_are_errors(name, message):
     with pytest.raises(cuda_host.SimtError, match=message):

@@ -47,6 +47,12 @@ __global__ void barrier_then_exit(int* out) {
   out[threadIdx.x] = 1;
 }
 
+__global__ void collective_against_barrier(int* out) {
+  const int lane = threadIdx.x % 32;
+  if (lane < 16) out[lane] = __shfl_xor_sync(0xffffffffu, lane, 1);  // waits for lanes 16..31 ...
+  __syncthreads();                                                   // ... which wait here: a deadlock
+}
+
 __global__ void shared_race(int* out) {
   __shared__ int cell[64];
   cell[threadIdx.x] = static_cast<int>(threadIdx.x);
@@ -92,6 +98,7 @@ int run_selftest(const char* name, const int* in, int* out) {
   else if (!std::strcmp(name, "reads_a_lane_outside_the_mask")) reads_a_lane_outside_the_mask<<<1, 32>>>(out);
   else if (!std::strcmp(name, "divergent_barrier")) divergent_barrier<<<1, 64>>>(out);
   else if (!std::strcmp(name, "barrier_then_exit")) barrier_then_exit<<<1, 64>>>(out);
+  else if (!std::strcmp(name, "collective_against_barrier")) collective_against_barrier<<<1, 64>>>(out);
   else if (!std::strcmp(name, "shared_race")) shared_race<<<1, 64>>>(out);
   else if (!std::strcmp(name, "shared_ordered")) shared_ordered_by_barrier_and_syncwarp<<<1, 64>>>(out);
   else if (!std::strcmp(name, "cp_async")) cp_async_copy<<<1, 64>>>(in, out, 1);
