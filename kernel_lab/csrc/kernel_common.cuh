@@ -17,9 +17,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx: 2 ulp, maps -inf to +0, which the masked softmax relies on.
+#ifdef KERNEL_LAB_SIMT  // the host build of csrc/simt, where inline PTX cannot compile
+  return simt::ex2_approx_ftz(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // Sum across the `kLanes` lanes of an aligned lane group (all 32 lanes of the warp must call it).

@@ -16,7 +16,8 @@ attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, 
 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled
 with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
-every build's cache key.
+every build's cache key. `cached_path`/`cached_build` also cache the SIMT host build of the CUDA sources
+(`cuda_host.py`).
 """
 
 from __future__ import annotations
@@ -94,41 +95,61 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cached_path(stem: str, key_parts, suffix: str) -> Path:
+    """The cache file for a build named `stem` whose inputs (bytes: sources, flags, compiler version) are
+    `key_parts`."""
+    digest = hashlib.sha256()
+    for part in key_parts:
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"{stem}_{digest.hexdigest()[:16]}{suffix}"
+
+
+def cached_build(path: Path, make) -> Path:
+    """`path`, made by `make(tmp)` unless it exists: written under a temporary name in the same directory and
+    renamed into place, so a concurrent builder or loader never sees a half-written file."""
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp" + path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        make(Path(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent builder's identical file just replaces this one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def compiler_version(cc: str) -> str:
+    """`cc --version` (raises if it fails)."""
+    return subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout
+
+
 def library_path(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (raises if `cc --version` fails).
     `extra_flags` follow -march=native (tests build narrower ISA variants, e.g. `-mno-avx512f`)."""
     source = SOURCE if source is None else source
-    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, check=True,
-                             timeout=60).stdout
-    digest = hashlib.sha256()
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source includes
-    for part in (source.read_bytes(), headers, " ".join(CFLAGS + tuple(extra_flags)).encode(), cc.encode(),
-                 version.encode(), platform.machine().encode(), _cpu_flags().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return cache_dir() / f"{source.stem}_{digest.hexdigest()[:16]}.so"
+    return cached_path(source.stem, (source.read_bytes(), headers, " ".join(CFLAGS + tuple(extra_flags)).encode(),
+                                     cc.encode(), compiler_version(cc).encode(), platform.machine().encode(),
+                                     _cpu_flags().encode()), ".so")
 
 
 def build(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile `source` (default: the paged decode kernel) unless this exact build is cached; returns the
     library's path."""
     source = SOURCE if source is None else source
-    path = library_path(cc, source, extra_flags)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([*shlex.split(cc), *CFLAGS, *extra_flags, "-o", tmp, str(source)],
+
+    def make(tmp: Path) -> None:
+        result = subprocess.run([*shlex.split(cc), *CFLAGS, *extra_flags, "-o", str(tmp), str(source)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent builder's identical file just replaces this one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return cached_build(library_path(cc, source, extra_flags), make)
 
 
 # entry point -> (argtypes, restype), per library
