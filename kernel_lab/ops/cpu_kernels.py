@@ -12,9 +12,9 @@ the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read
 
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
 attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
-`norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
-02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled
-with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
+`norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
+projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
+06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
 every build's cache key.
 """
@@ -150,6 +150,8 @@ _SIGNATURES = {
                                 None),
         # x, ldx, out, ldo, rows, d
         "kl_silu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64], None),
+        # x, ldx, out, ldo, rows, d, tanh_approximation
+        "kl_gelu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
     },
     "token_bitmask": {
         # logits, elem_bytes, neg_inf_bits, row_stride, col_stride, vocab, bitmask, mask_stride, rows, n_masks
@@ -276,17 +278,21 @@ def add_rms_norm_cpu(x, residual, weight, eps: float, out, residual_out) -> bool
     return True
 
 
-def silu_and_mul_cpu(x, out) -> bool:
-    """out [.., d] = silu(x[.., :d]) * x[.., d:] by the C kernel; False (nothing written) means: use the
-    reference. float32 CPU rows with unit stride; shapes are the caller's to check."""
+def gated_activation_cpu(x, out, activation: str) -> bool:
+    """out [.., d] = activation(x[.., :d]) * x[.., d:] by the C kernel, activation "silu", "gelu" or
+    "gelu_tanh"; False (nothing written) means: use the reference. float32 CPU rows with unit stride;
+    shapes are the caller's to check."""
     x2, out2 = _rows(x), _rows(out)
     if x2 is None or out2 is None:
         return False
     lib = load_library("norm_activation")
     if lib is None:
         return False
-    lib.kl_silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0],
-                            out2.shape[1])
+    args = (x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0], out2.shape[1])
+    if activation == "silu":
+        lib.kl_silu_and_mul_f32(*args)
+    else:
+        lib.kl_gelu_and_mul_f32(*args, int(activation == "gelu_tanh"))
     return True
 
 
