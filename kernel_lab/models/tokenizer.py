@@ -2,7 +2,8 @@
 
 A GGUF file does not carry a tokenizer.json; it carries the vocabulary, the token types and, by
 `tokenizer.ggml.model`, either merges and a `tokenizer.ggml.pre` split ("gpt2": byte-level BPE) or scores
-("llama": SentencePiece BPE with byte fallback, Llama 2 / Mistral / Gemma files). `build_gguf_tokenizer`
+("llama": SentencePiece BPE with byte fallback, Llama 2 / Mistral files; Gemma files, whose scores
+and multi-space tokens llama.cpp and transformers treat specially, are not checked yet). `build_gguf_tokenizer`
 rebuilds the equivalent `tokenizers` pipeline from those, and `export_hf_directory` saves it as
 tokenizer.json so that every later load (ours, transformers', vLLM's) reads the same file.
 
