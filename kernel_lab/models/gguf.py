@@ -199,6 +199,8 @@ def tokenizer_metadata(metadata: dict) -> dict:
         "tokens": metadata.get("tokenizer.ggml.tokens"),
         "token_types": metadata.get("tokenizer.ggml.token_type"),
         "merges": metadata.get("tokenizer.ggml.merges"),
+        "scores": metadata.get("tokenizer.ggml.scores"),
+        "add_space_prefix": metadata.get("tokenizer.ggml.add_space_prefix", True),
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "unknown_token_id": metadata.get("tokenizer.ggml.unknown_token_id"),

@@ -1,10 +1,20 @@
-"""Tokenizers: built from GGUF metadata (byte-level BPE: tokens + merges), and loaded from a Hugging Face
-directory for the engine.
+"""Tokenizers: built from GGUF metadata, and loaded from a Hugging Face directory for the engine.
 
-A GGUF file does not carry a tokenizer.json; it carries the vocabulary, the merges, the token types and a
-`tokenizer.ggml.pre` name for how llama.cpp splits text before BPE. `build_gguf_tokenizer` rebuilds the
-equivalent `tokenizers` pipeline from those, and `export_hf_directory` saves it as tokenizer.json so that
-every later load (ours, transformers', vLLM's) reads the same file.
+A GGUF file does not carry a tokenizer.json; it carries the vocabulary, the token types and, by
+`tokenizer.ggml.model`, either merges and a `tokenizer.ggml.pre` split ("gpt2": byte-level BPE) or scores
+("llama": SentencePiece BPE with byte fallback, Llama 2 / Mistral files; Gemma files, whose scores
+and multi-space tokens llama.cpp and transformers treat specially, are not checked yet). `build_gguf_tokenizer`
+rebuilds the equivalent `tokenizers` pipeline from those, and `export_hf_directory` saves it as
+tokenizer.json so that every later load (ours, transformers', vLLM's) reads the same file.
+
+SentencePiece semantics followed are llama.cpp's (llm_tokenizer_spm), which are SentencePiece's own:
+  - text becomes "▁" + text with every space as "▁" (add_space_prefix, default on), after each special token
+    too; no other normalisation, whitespace runs and newlines kept;
+  - pieces merge greedily, best score first: as BPE with the merges ranked by the merged token's score;
+  - a character no token covers becomes its UTF-8 bytes as the <0xNN> tokens.
+transformers' own GGUF Llama tokenizer differs on text that starts with a space: its Metaspace step
+prepends "▁" only to text not already starting with one (projects/09_engine/test_gguf_spm_tokenizer.py
+shows both).
 
 `Tokenizer` is what the engine uses: encoding with special tokens added the way vLLM adds them (the
 tokenizer's own post-processor), the chat template rendered with jinja2 the way transformers renders it,
@@ -36,6 +46,7 @@ _GPT2_PRES = {None, "default", "gpt2", "gpt-2", "mpt", "olmo"}
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+SPACE_MARKER = "\u2581"  # "▁", SentencePiece's space
 
 
 def _pre_tokenizer(pre: str | None):
@@ -60,21 +71,69 @@ def _pre_tokenizer(pre: str | None):
     )
 
 
-def build_gguf_tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (see gguf.tokenizer_metadata)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+def _byte_level_bpe(meta: dict):
+    """tokenizer.ggml.model "gpt2": BPE over byte-level characters with the file's merges and split."""
+    from tokenizers import Tokenizer, decoders, models, processors
 
-    if meta.get("model") != "gpt2":
-        raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, "
-                         f"got {meta.get('model')!r}")
     tokens, merges = meta["tokens"], meta.get("merges") or []
     vocab = {token: index for index, token in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("pre"))
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, [processors.ByteLevel(trim_offsets=False)]
 
-    steps = [processors.ByteLevel(trim_offsets=False)]
+
+def merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens, best
+    merged-token score first (ties: lower token id first), so that BPE's lowest-rank-first equals
+    SentencePiece's best-score-first."""
+    ids = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for index in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        token = tokens[index]
+        merges.extend((token[:cut], token[cut:]) for cut in range(1, len(token))
+                      if token[:cut] in ids and token[cut:] in ids)
+    return merges
+
+
+def _sentencepiece_bpe(meta: dict):
+    """tokenizer.ggml.model "llama": SentencePiece BPE with byte fallback (see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens, scores = meta["tokens"], meta.get("scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError("a 'llama' (SentencePiece) GGUF tokenizer needs tokenizer.ggml.scores, one per token; "
+                         f"got {None if scores is None else len(scores)} for {len(tokens)} tokens")
+    unk_id = meta.get("unknown_token_id")
+    bpe = models.BPE(vocab={token: index for index, token in enumerate(tokens)},
+                     merges=merges_by_score(tokens, scores), byte_fallback=True, fuse_unk=True,
+                     unk_token=tokens[unk_id] if unk_id is not None else None)
+    tokenizer = Tokenizer(bpe)
+    add_prefix = meta.get("add_space_prefix", True)
+    spaces = [normalizers.Replace(" ", SPACE_MARKER)]
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARKER)] * add_prefix + spaces)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE_MARKER, " "), decoders.ByteFallback(),
+                                           decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * add_prefix)
+    return tokenizer, []
+
+
+_GGUF_TOKENIZER_MODELS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+
+
+def build_gguf_tokenizer(meta: dict):
+    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (see gguf.tokenizer_metadata), by
+    tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte fallback)."""
+    from tokenizers import AddedToken, processors
+
+    builder = _GGUF_TOKENIZER_MODELS.get(meta.get("model"))
+    if builder is None:
+        raise ValueError(f"GGUF tokenizer.ggml.model {meta.get('model')!r} is not supported; supported: "
+                         f"{sorted(_GGUF_TOKENIZER_MODELS)}")
+    tokens = meta["tokens"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tokenizer, steps = builder(meta)
+
     bos_id, eos_id = meta.get("bos_token_id"), meta.get("eos_token_id")
     add_bos = bool(meta.get("add_bos_token")) and bos_id is not None
     add_eos = bool(meta.get("add_eos_token")) and eos_id is not None

@@ -12,9 +12,9 @@ the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read
 
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
 attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
-`norm_activation.c` (float32 residual-add + RMSNorm and silu_and_mul, the CPU paths of projects 01 and
-02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project 06). All are compiled
-with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
+`norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
+projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
+06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
 own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
 every build's cache key. `cached_path`/`cached_build` also cache the SIMT host build of the CUDA sources
 (`cuda_host.py`).
@@ -57,7 +57,7 @@ _PAGED_DECODE_ARGTYPES = [
     _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # batch, num_q_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float,                      # scale
+    ctypes.c_float, _int,                # scale, window (0: none)
     _ptr, _i64, _i64,                    # out, out_stride_b, out_stride_h
 ]
 
@@ -66,7 +66,7 @@ _ROPE_WRITE_ATTENTION_ARGTYPES = [
     _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # tokens, num_q_heads, num_kv_heads, head_dim, block_size
-    ctypes.c_float, _ptr,                # scale, out
+    ctypes.c_float, _int, _ptr,          # scale, window (0: none), out
 ]
 
 
@@ -173,6 +173,8 @@ _SIGNATURES = {
                                 None),
         # x, ldx, out, ldo, rows, d
         "kl_silu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64], None),
+        # x, ldx, out, ldo, rows, d, tanh_approximation
+        "kl_gelu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
     },
     "token_bitmask": {
         # logits, elem_bytes, neg_inf_bits, row_stride, col_stride, vocab, bitmask, mask_stride, rows, n_masks
@@ -215,12 +217,13 @@ def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, .
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                               out: torch.Tensor) -> bool:
+                               out: torch.Tensor, window: int = 0) -> bool:
     """Run the C kernel into `out` if it applies; False (nothing written) means: use the reference.
 
     Inputs are assumed validated (`paged_attention._validate` and the table value checks; the kernel reads
     whatever the tables point at): it applies to CPU float32 q, caches and out, each contiguous in its last
-    dimension, K and V with the same strides, int32 tables and lengths.
+    dimension, K and V with the same strides, int32 tables and lengths. `window` > 0: sliding-window
+    attention over each sequence's last `window` tokens (0: the whole sequence).
     """
     tensors = (q, k_cache, v_cache, out)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
@@ -239,15 +242,16 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
         out.data_ptr(), out.stride(0), out.stride(1))
     return status == 0
 
 
 def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_cache, block_tables, seq_lens,
-                                   num_q_heads: int, scale: float, out: torch.Tensor) -> None:
+                                   num_q_heads: int, scale: float, out: torch.Tensor, window: int = 0) -> None:
     """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention_f32):
-    RoPE on q and k, K and V into the cache at `slots`, attention into `out` [tokens, num_q_heads * head_dim].
+    RoPE on q and k, K and V into the cache at `slots`, attention into `out` [tokens, num_q_heads * head_dim],
+    over each row's last `window` tokens when `window` > 0.
 
     No checks: the caller holds what `models/attention.py` documents (float32 everywhere, qkv and out dense
     rows, cos/sin rows contiguous, tables and slots checked once for the step, the library loaded)."""
@@ -261,7 +265,7 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
         qkv.data_ptr(), qkv.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+        tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, out.data_ptr())
     if status != 0:
         raise MemoryError("kl_rope_write_paged_attention_f32 could not allocate its scratch buffer")
 
@@ -294,17 +298,21 @@ def add_rms_norm_cpu(x, residual, weight, eps: float, out, residual_out) -> bool
     return True
 
 
-def silu_and_mul_cpu(x, out) -> bool:
-    """out [.., d] = silu(x[.., :d]) * x[.., d:] by the C kernel; False (nothing written) means: use the
-    reference. float32 CPU rows with unit stride; shapes are the caller's to check."""
+def gated_activation_cpu(x, out, activation: str) -> bool:
+    """out [.., d] = activation(x[.., :d]) * x[.., d:] by the C kernel, activation "silu", "gelu" or
+    "gelu_tanh"; False (nothing written) means: use the reference. float32 CPU rows with unit stride;
+    shapes are the caller's to check."""
     x2, out2 = _rows(x), _rows(out)
     if x2 is None or out2 is None:
         return False
     lib = load_library("norm_activation")
     if lib is None:
         return False
-    lib.kl_silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0],
-                            out2.shape[1])
+    args = (x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0), out2.shape[0], out2.shape[1])
+    if activation == "silu":
+        lib.kl_silu_and_mul_f32(*args)
+    else:
+        lib.kl_gelu_and_mul_f32(*args, int(activation == "gelu_tanh"))
     return True
 
 

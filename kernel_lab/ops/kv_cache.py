@@ -3,9 +3,10 @@
 Contract (shared with the engine)
 ---------------------------------
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, block_size in {8, 16, 32, 64},
-  head_dim in {64, 128, 256}. The inner three dimensions are dense (strides `(H*D, D, 1)`); the block
-  stride may be larger (e.g. views of one `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16,
-  fp32, or `torch.float8_e4m3fn`.
+  head_dim in {64, 128, 256} on CUDA (the CUDA kernels' instantiations), any head_dim on the CPU (e.g. Phi-3's
+  96: the C kernel and the references are generic in it). The inner three dimensions are dense (strides
+  `(H*D, D, 1)`); the block stride may be larger (e.g. views of one `[num_blocks, 2, block_size, H, D]`
+  allocation). Dtype fp16, bf16, fp32, or `torch.float8_e4m3fn`.
 - FP8 caches carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`, contiguous, one scale per page
   and KV head. A stored element means `float(fp8) * scale`. A fresh cache has every scale at 0.0: the page
   holds no data yet.
@@ -37,7 +38,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_FP8_SCALE = 2.0 ** -126  # smallest normal fp32: keeps `fp8 * scale` exact
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head_dim instantiations; the CPU paths take any
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 
@@ -50,8 +51,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
         raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    check_head_dim("head_dim", head_dim, torch.device(device))
     if num_blocks < 1 or num_kv_heads < 1:
         raise ValueError(f"num_blocks and num_kv_heads must be >= 1, got {num_blocks}, {num_kv_heads}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -105,6 +105,15 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- validation
+def check_head_dim(name: str, head_dim: int, device: torch.device) -> None:
+    """CUDA: one of the kernels' instantiations; CPU: any positive head_dim."""
+    if device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_HEAD_DIMS} on CUDA (the paged attention and KV-write "
+                         f"kernels are instantiated for those), got {head_dim}; the CPU paths take any head_dim")
+    if head_dim < 1:
+        raise ValueError(f"{name} must be >= 1, got {head_dim}")
+
+
 def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int, int, int, int]:
     """Validate a paged K/V cache pair (and fp8 scales); returns (num_blocks, block_size, heads, head_dim)."""
     check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4)
@@ -116,8 +125,7 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"k_cache block_size (dim 1) must be one of {SUPPORTED_BLOCK_SIZES}, "
                          f"got {block_size}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"k_cache head_dim (dim 3) must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    check_head_dim("k_cache head_dim (dim 3)", head_dim, k_cache.device)
     if num_blocks < 1 or heads < 1:
         raise ValueError(f"k_cache must have at least one block and one head, "
                          f"got shape {tuple(k_cache.shape)}")

@@ -16,6 +16,10 @@ Contract
 - `seq_lens`: int32 `[batch]`, each in `[0, max_blocks_per_seq * block_size]`. A length of 0 yields a
   zero output row (padding rows of a captured CUDA graph).
 - `scale` defaults to `head_dim ** -0.5`. The output has q's dtype and shape; `out=` may be given.
+- `sliding_window` W (None or 0: none): the query, at position `seq_lens[b] - 1`, attends only the keys at
+  positions `(seq_lens[b] - 1 - W, seq_lens[b] - 1]`, its last W tokens: transformers' sliding-window mask
+  (`kv_idx > q_idx - W`, masking_utils) and llama.cpp's SWA (masked when `q - k >= W`). Table entries of
+  pages wholly before the window are never read. CPU only for now (the CUDA kernel refuses it).
 - `validate`: host-side value checks (seq_lens within the block table, used block ids inside the pool),
   raising ValueError. Default (None): on for CPU tensors, off for CUDA since it synchronises; refused
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
@@ -56,7 +60,7 @@ CTAS_PER_SM_TARGET = 2      # split until the grid has about this many CTAs per 
 
 # --------------------------------------------------------------------------------------------- reference
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
-                                     k_scale=None, v_scale=None) -> torch.Tensor:
+                                     k_scale=None, v_scale=None, sliding_window=None) -> torch.Tensor:
     """Materialising reference: gather each sequence's pages, then float32 attention (SDPA, masked).
 
     Also the CPU path of the engine, so it avoids per-token indexing: whole pages are gathered with one
@@ -72,17 +76,21 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         return torch.zeros_like(q)
     num_pages = -(-max_len // block_size)
     tokens = num_pages * block_size
-    # Table entries past a sequence's last page may be padding (e.g. -1): read page 0 there instead.
-    used = torch.arange(num_pages, device=q.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    first = window_starts(lens, sliding_window)                                             # [B]
+    # Table entries past a sequence's last page, or before its window's first, may be padding (e.g. -1):
+    # read page 0 there instead.
+    page_ids = torch.arange(num_pages, device=q.device)[None, :]
+    used = (page_ids < (lens[:, None] + block_size - 1) // block_size) & (page_ids >= first[:, None] // block_size)
     pages = torch.where(used, block_tables[:, :num_pages].long(), 0).flatten()                 # [B * P]
     k = k_cache.index_select(0, pages).float()                                    # [B * P, bs, Hkv, D], a copy
     v = v_cache.index_select(0, pages).float()
     if k_cache.dtype == FP8_DTYPE:
         k.mul_(k_scale[pages][:, None, :, None])
         v.mul_(v_scale[pages][:, None, :, None])
-    valid = torch.arange(tokens, device=q.device)[None, :] < lens[:, None]                    # [B, T]
-    # Slots past a sequence's length hold anything (stale, never written, even NaN). Masking the score
-    # is not enough, since a zero probability times NaN is NaN: zero those rows of the copies.
+    positions = torch.arange(tokens, device=q.device)[None, :]
+    valid = (positions < lens[:, None]) & (positions >= first[:, None])                        # [B, T]
+    # Slots past a sequence's length (or before its window) hold anything (stale, never written, even NaN).
+    # Masking the score is not enough, since a zero probability times NaN is NaN: zero those rows of the copies.
     stale = (~valid).flatten().nonzero().squeeze(1)
     k = k.view(batch * tokens, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
     v = v.view(batch * tokens, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
@@ -92,6 +100,14 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)                  # length 0 -> a zero row
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def window_starts(seq_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """The first position each sequence's query attends (int64): len - W under a window W > 0, else 0."""
+    lens = seq_lens.long()
+    if not sliding_window:
+        return torch.zeros_like(lens)
+    return (lens - sliding_window).clamp_min(0)
 
 
 # --------------------------------------------------------------------------------------------- split plan
@@ -207,7 +223,7 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out):
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out, sliding_window=None):
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     num_blocks, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     if k_cache.dtype != FP8_DTYPE and k_cache.dtype != q.dtype:
@@ -240,14 +256,26 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_sca
     check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if out is not None and out.stride(-1) != 1:
         raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    check_sliding_window(sliding_window)
+    if q.is_cuda and sliding_window:
+        raise NotImplementedError(f"sliding_window={sliding_window}: the CUDA paged decode kernel does not "
+                                  "implement sliding windows yet (the CPU kernel and reference do)")
     if q.is_cuda and q.dtype not in HALF_DTYPES:
         raise TypeError(f"the CUDA kernel takes q in float16 or bfloat16, got {q.dtype} "
                         "(the fp32 path is the CPU reference)")
     return num_blocks, block_size
 
 
-def check_table_values(block_tables, seq_lens, num_blocks: int, block_size: int) -> None:
-    """Host-side value checks (they read device memory): lengths fit the table, used block ids in the pool."""
+def check_sliding_window(sliding_window) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 0):
+        raise ValueError(f"sliding_window must be None or an int >= 0 (0: no window), got {sliding_window!r}")
+
+
+def check_table_values(block_tables, seq_lens, num_blocks: int, block_size: int,
+                       sliding_window: int | None = None) -> None:
+    """Host-side value checks (they read device memory): lengths fit the table, used block ids in the pool
+    (a sliding window's pages only: those wholly before it are never read)."""
     if seq_lens.numel() == 0:
         return
     capacity = block_tables.shape[1] * block_size
@@ -258,38 +286,41 @@ def check_table_values(block_tables, seq_lens, num_blocks: int, block_size: int)
                          f"[0, {capacity}] (max_blocks_per_seq {block_tables.shape[1]} * "
                          f"block_size {block_size})")
     used_blocks = -(-lens // block_size)                                                # [B]
-    used = torch.arange(block_tables.shape[1])[None, :] < used_blocks[:, None]
+    entries = torch.arange(block_tables.shape[1])[None, :]
+    used = (entries < used_blocks[:, None]) & (entries >= (window_starts(lens, sliding_window) // block_size)[:, None])
     ids = block_tables.cpu().long()
     out_of_pool = used & ((ids < 0) | (ids >= num_blocks))
     if bool(out_of_pool.any()):
         b, j = (int(x) for x in torch.nonzero(out_of_pool)[0])
         raise ValueError(f"block_tables[{b}, {j}] = {int(ids[b, j])} is outside the pool of {num_blocks} "
-                         f"blocks (sequence {b} uses its first {int(used_blocks[b])} entries)")
+                         f"blocks (sequence {b} uses entries up to {int(used_blocks[b]) - 1})")
 
 
 # --------------------------------------------------------------------------------------------- public op
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, validate: bool | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, validate: bool | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged KV cache (see module docstring)."""
     num_blocks, block_size = _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                                       out)
+                                       out, sliding_window)
     if validate or (validate is None and not q.is_cuda):
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("paged_decode_attention(validate=True) reads device memory and cannot run "
                                "inside CUDA graph capture")
-        check_table_values(block_tables, seq_lens, num_blocks, block_size)
+        check_table_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
         if q.dtype == torch.float32 and k_cache.dtype == torch.float32:
             from .cpu_kernels import paged_decode_attention_cpu
 
             result = out if out is not None else torch.empty(q.shape, dtype=q.dtype)
-            if paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, result):
+            if paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, result,
+                                          sliding_window or 0):
                 return result
         result = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                  k_scale, v_scale)
+                                                  k_scale, v_scale, sliding_window)
         return out.copy_(result) if out is not None else result
     from .cuda_extension import launch_paged_decode
 

@@ -1,7 +1,11 @@
-"""Project 02: SwiGLU activation in the serving layout.
+"""Project 02: gated activations in the serving layout (SwiGLU, and GeGLU for Gemma).
 
-    x = [gate | up]  (last dimension 2*d)      ->      y = silu(gate) * up  (last dimension d)
-    silu(g) = g * sigmoid(g) = g / (1 + exp(-g))       (computed in fp32, rounded once to x's dtype)
+    x = [gate | up]  (last dimension 2*d)      ->      y = act(gate) * up  (last dimension d)
+    silu(g)      = g * sigmoid(g) = g / (1 + exp(-g))                      silu_and_mul
+    gelu(g)      = g/2 * (1 + erf(g / sqrt(2)))                             gelu_and_mul(approximate="none")
+    gelu_tanh(g) = g/2 * (1 + tanh(u)) = g * sigmoid(2u),                   gelu_and_mul(approximate="tanh")
+                   u = sqrt(2/pi) * (g + 0.044715 g^3)                      (torch's / HF's gelu_pytorch_tanh)
+    all computed in fp32 and rounded once to x's dtype.
 
 Why the halves arrive concatenated, the memory traffic and the kernel design: projects/02_swiglu/README.md.
 """
@@ -26,20 +30,34 @@ VECTORS_PER_THREAD = 2  # 16-byte vectors of each half per thread: more loads in
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (column blocks)
 
 
+# activation name -> torch's fp32 form (the references) ; the names are the kernel's ACTIVATION constexpr
+ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+}
+GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # torch.nn.functional.gelu's `approximate`
+
+
 # --------------------------------------------------------------------------------------------- reference
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def gated_activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     """fp32 math, one rounding to x's dtype: the numerical contract the kernel follows."""
     d = x.shape[-1] // 2
     gate, up = x[..., :d].float(), x[..., d:].float()
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return (ACTIVATIONS[activation](gate) * up).to(x.dtype)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    return gated_activation_reference(x, "silu")
 
 
 # --------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _silu_and_mul_kernel(
+def _gated_activation_kernel(
     x_ptr, out_ptr,
     d, x_row_stride, out_row_stride,
     BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # a key of ACTIVATIONS
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -47,8 +65,15 @@ def _silu_and_mul_kernel(
     x_row = x_ptr + row * x_row_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # exp(-g) overflows to inf for g < -88, and g / inf = -0, the correct limit; no NaN is produced.
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    if ACTIVATION == "gelu":
+        y = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    else:
+        # silu(g) = g * sigmoid(g), gelu_tanh(g) = g * sigmoid(2u): exp(-z) overflows to inf for z < -88,
+        # and g / inf = -0, the correct limit; no NaN is produced.
+        z = gate
+        if ACTIVATION == "gelu_tanh":
+            z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)  # 2 * sqrt(2 / pi) * (...)
+        y = gate / (1.0 + tl.exp(-z)) * up
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -70,7 +95,7 @@ def bytes_moved(rows: int, d: int, element_size: int) -> int:
     return 3 * rows * d * element_size
 
 
-def _launch(x2: torch.Tensor, out2: torch.Tensor) -> None:
+def _launch(x2: torch.Tensor, out2: torch.Tensor, activation: str = "silu") -> None:
     rows = x2.shape[0]
     d = out2.shape[1]
     if rows == 0 or d == 0:
@@ -79,8 +104,8 @@ def _launch(x2: torch.Tensor, out2: torch.Tensor) -> None:
     col_blocks = triton.cdiv(d, block)
     if col_blocks > MAX_GRID_Y:
         raise ValueError(f"x's half width d={d} exceeds the supported maximum {MAX_GRID_Y * block}")
-    _silu_and_mul_kernel[(rows, col_blocks)](
-        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=num_warps,
+    _gated_activation_kernel[(rows, col_blocks)](
+        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, ACTIVATION=activation, num_warps=num_warps,
     )
 
 
@@ -123,13 +148,29 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     unit-stride or is copied. `out`, if given, must be [..., d] of x's dtype, unit-stride in its last
     dimension, on x's device and not overlapping x.
     """
+    return gated_activation(x, "silu", out)
+
+
+def gelu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+    """gelu(x[..., :d]) * x[..., d:] (GeGLU), with torch.nn.functional.gelu's `approximate`: "none" is the
+    exact erf form, "tanh" the tanh approximation Gemma's `gelu_pytorch_tanh` uses. Same contract as
+    silu_and_mul otherwise."""
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {sorted(GELU_APPROXIMATIONS)}, got {approximate!r}")
+    return gated_activation(x, GELU_APPROXIMATIONS[approximate], out)
+
+
+def gated_activation(x: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """activation(x[..., :d]) * x[..., d:] for `activation` in ACTIVATIONS: the one path both public ops take."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     out_shape = _validate(x, out)
     if not use_triton(x):
         if x.dtype == torch.float32:  # the C kernel (csrc/cpu/norm_activation.c), where it applies
             result = out if out is not None else torch.empty(out_shape, dtype=x.dtype)
-            if cpu_kernels.silu_and_mul_cpu(x, result):
+            if cpu_kernels.gated_activation_cpu(x, result, activation):
                 return result
-        y = silu_and_mul_reference(x)
+        y = gated_activation_reference(x, activation)
         return out.copy_(y) if out is not None else y
     result = out if out is not None else torch.empty(out_shape, dtype=x.dtype, device=x.device)
     if result.numel() == 0:
@@ -142,9 +183,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     out2 = rows_view(result) if result.dim() > 1 else result.view(1, -1)
     if out2 is None:
         tmp = torch.empty((x2.shape[0], out_shape[-1]), dtype=x.dtype, device=x.device)
-        _launch(x2, tmp)
+        _launch(x2, tmp, activation)
         return result.copy_(tmp.view(out_shape))
-    _launch(x2, out2)
+    _launch(x2, out2, activation)
     return result
 
 
@@ -161,14 +202,25 @@ def compile_specs():
                                ("fp32", "*fp32", 4, 8960), ("bf16", "*bf16", 2, 1536)]:
         block, warps = launch_config(d, size)
         specs.append(CompileSpec(
-            name=f"silu_and_mul_{dtype}_d{d}", kernel=_silu_and_mul_kernel,
+            name=f"silu_and_mul_{dtype}_d{d}", kernel=_gated_activation_kernel,
             signature={**signature, "x_ptr": ty, "out_ptr": ty},
-            constexprs={"BLOCK": block}, num_warps=warps, aligned=aligned,
+            constexprs={"BLOCK": block, "ACTIVATION": "silu"}, num_warps=warps, aligned=aligned,
+        ))
+    # GeGLU at Gemma's widths: gemma-2b (16384, tanh), gemma-7b (24576, tanh), and the exact erf form
+    for activation, dtype, ty, size, d in [("gelu_tanh", "bf16", "*bf16", 2, 16384),
+                                           ("gelu_tanh", "fp16", "*fp16", 2, 24576),
+                                           ("gelu", "bf16", "*bf16", 2, 16384), ("gelu", "fp32", "*fp32", 4, 8960)]:
+        block, warps = launch_config(d, size)
+        specs.append(CompileSpec(
+            name=f"{activation}_and_mul_{dtype}_d{d}", kernel=_gated_activation_kernel,
+            signature={**signature, "x_ptr": ty, "out_ptr": ty},
+            constexprs={"BLOCK": block, "ACTIVATION": activation}, num_warps=warps, aligned=aligned,
         ))
     block, warps = launch_config(4097, 2)
-    specs.append(CompileSpec(
-        name="silu_and_mul_fp16_odd_d4097", kernel=_silu_and_mul_kernel,
-        signature={**signature, "x_ptr": "*fp16", "out_ptr": "*fp16"},
-        constexprs={"BLOCK": block}, num_warps=warps, aligned=("x_ptr", "out_ptr"),
-    ))
+    for activation in ACTIVATIONS:
+        specs.append(CompileSpec(
+            name=f"{activation}_and_mul_fp16_odd_d4097", kernel=_gated_activation_kernel,
+            signature={**signature, "x_ptr": "*fp16", "out_ptr": "*fp16"},
+            constexprs={"BLOCK": block, "ACTIVATION": activation}, num_warps=warps, aligned=("x_ptr", "out_ptr"),
+        ))
     return specs

@@ -1,4 +1,5 @@
-"""Project 02 benchmark: silu_and_mul vs torch eager, torch.compile and (if installed) Liger.
+"""Project 02 benchmark: silu_and_mul vs torch eager, torch.compile and (if installed) Liger; gelu_and_mul
+(tanh, Gemma's form) vs torch eager and torch.compile.
 
     python projects/02_swiglu/benchmark.py [--quick] [--out results]
 
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
-from kernel_lab.ops import silu_and_mul  # noqa: E402
+from kernel_lab.ops import gelu_and_mul, silu_and_mul  # noqa: E402
 from kernel_lab.ops.swiglu import bytes_moved  # noqa: E402
 
 PROJECT = "02_swiglu"
@@ -33,7 +34,12 @@ def eager_swiglu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
-def _compiled():
+def eager_geglu(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def _compiled(fn=eager_swiglu):
     import torch._dynamo.config as dynamo_config
 
     # One specialised graph per shape, as a serving engine would capture; the default limit of 8 would
@@ -41,7 +47,7 @@ def _compiled():
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(dynamo_config, knob):
             setattr(dynamo_config, knob, 256)
-    return torch.compile(eager_swiglu, dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
 def _liger():
@@ -68,10 +74,12 @@ def sweep(device: torch.device, quick: bool) -> list[tuple[int, int]]:
 def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16) -> ResultRecord:
     on_gpu = device.type == "cuda"
     compiled = _compiled() if on_gpu else None
+    compiled_geglu = _compiled(eager_geglu) if on_gpu else None
     liger = _liger() if on_gpu else None
     rec = ResultRecord(PROJECT, "swiglu bandwidth", device,
-                       "silu_and_mul on x = [gate | up], bf16; GB/s = swiglu.bytes_moved (bytes read + written, "
-                       "3 * tokens * d * b); small calls are timed as CUDA-graph replays by the harness")
+                       "silu_and_mul and gelu_and_mul(approximate='tanh') on x = [gate | up], bf16; "
+                       "GB/s = swiglu.bytes_moved (bytes read + written, 3 * tokens * d * b); small calls are "
+                       "timed as CUDA-graph replays by the harness")
     with torch.no_grad():
         for tokens, d in sweep(device, quick):
             nbytes = bytes_moved(tokens, d, dtype.itemsize)
@@ -92,8 +100,17 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                 baselines["liger"] = timed(liger, "liger")
             rec.add_case(f"silu_and_mul {label}", shape={"tokens": tokens, "d": d}, dtype="bf16",
                          timing=t_ours, nbytes=nbytes, baselines=baselines)
+            # GeGLU: the same kernel and traffic with a costlier activation (a cube and the exp)
+            geglu = [lambda x=x, o=o: gelu_and_mul(x, out=o, approximate="tanh") for x, o in zip(xs, outs, strict=True)]
+            t_geglu = benchmark(geglu, device=device, name=f"kernel_lab.gelu_and_mul tanh {label}")
+            geglu_baselines = {"torch eager": timed(eager_geglu, "eager geglu")}
+            if compiled_geglu is not None:
+                geglu_baselines["torch.compile"] = timed(compiled_geglu, "compile geglu")
+            rec.add_case(f"gelu_and_mul tanh {label}", shape={"tokens": tokens, "d": d}, dtype="bf16",
+                         timing=t_geglu, nbytes=nbytes, baselines=geglu_baselines)
             del xs, outs, timed
-    large = [c for c in rec.record["cases"] if c["shape"]["tokens"] * c["shape"]["d"] >= LARGE_ELEMENTS]
+    large = [c for c in rec.record["cases"] if c["shape"]["tokens"] * c["shape"]["d"] >= LARGE_ELEMENTS
+             and c["name"].startswith("silu")]
     if large:
         worst = min(large, key=lambda c: c["percent_of_ceiling"])
         rec.set_headline(

@@ -32,8 +32,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def attention64(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None):
-    """Float64, one sequence and one head at a time, token by token through the block table."""
+def attention64(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, window=None):
+    """Float64, one sequence and one head at a time, token by token through the block table; with a sliding
+    `window` W the query (position length - 1) sees the positions t with length - 1 - t < W."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -42,8 +43,9 @@ def attention64(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None
         length = int(seq_lens[b])
         if length == 0:
             continue
-        pages = [int(block_tables[b, t // block_size]) for t in range(length)]
-        offsets = [t % block_size for t in range(length)]
+        seen = [t for t in range(length) if not window or (length - 1) - t < window]
+        pages = [int(block_tables[b, t // block_size]) for t in seen]
+        offsets = [t % block_size for t in seen]
         k = torch.stack([k_cache[p, o].double() for p, o in zip(pages, offsets)])       # [L, Hkv, D]
         v = torch.stack([v_cache[p, o].double() for p, o in zip(pages, offsets)])
         if k_scale is not None:
@@ -98,7 +100,7 @@ def make_case(seed, *, batch, num_q_heads, num_kv_heads, head_dim, block_size, l
 REFERENCE_CASES = [
     # (num_q_heads, num_kv_heads, head_dim, block_size)
     (4, 4, 64, 8), (8, 4, 128, 16), (8, 2, 64, 32), (14, 2, 128, 64), (16, 2, 64, 16), (16, 1, 256, 8),
-    (32, 1, 64, 8), (12, 1, 128, 32),
+    (32, 1, 64, 8), (12, 1, 128, 32), (6, 2, 96, 16),  # 96: Phi-3 (CPU only; CUDA is instantiated for 64/128/256)
 ]
 
 
@@ -172,23 +174,24 @@ def c_kernel(monkeypatch):
     return cpu_kernels.paged_decode_attention_cpu
 
 
-def poison_unread_slots(k_cache, v_cache, block_tables, seq_lens):
-    """NaN in every slot no sequence may read (pages of no sequence, slots past each length), so a kernel
-    that reads one produces NaN instead of a plausible number."""
+def poison_unread_slots(k_cache, v_cache, block_tables, seq_lens, window=None):
+    """NaN in every slot no sequence may read (pages of no sequence, slots past each length or before each
+    sliding window), so a kernel that reads one produces NaN instead of a plausible number."""
     block_size = k_cache.shape[1]
     readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for b, length in enumerate(seq_lens.tolist()):
-        for t in range(length):
+        for t in range(max(0, length - window) if window else 0, length):
             readable[int(block_tables[b, t // block_size]), t % block_size] = True
     k_cache[~readable] = float("nan")
     v_cache[~readable] = float("nan")
 
 
 # (num_q_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 3 (non-power-of-two), 3 again with the
-# engine's shape, MQA 32; block sizes 8/16/32; head dims 64 (the kernel's specialised copy) and 128/256
-# (its generic copy).
+# engine's shape, MQA 32; block sizes 8/16/32; head dims 64 (the kernel's specialised copy) and 96 (Phi-3),
+# 128, 256 (Gemma) (its generic copy).
 C_KERNEL_CASES = [
     (8, 8, 64, 16), (8, 2, 128, 8), (9, 3, 64, 16), (32, 1, 64, 32), (12, 4, 128, 32), (6, 3, 256, 8),
+    (8, 2, 96, 16),
 ]
 
 
@@ -218,9 +221,9 @@ def test_c_kernel_matches_float64(c_kernel, num_q_heads, num_kv_heads, head_dim,
         "wrote outside out"
 
 
-@pytest.mark.parametrize("head_dim", [32, 80])
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
 def test_c_kernel_other_head_dims(c_kernel, head_dim):
-    """Head dims the op does not accept still work in the kernel itself (its generic copy)."""
+    """Head dims outside the CUDA kernel's set run in the C kernel's generic copy, through the public op too."""
     num_blocks, block_size, hq, hkv = 9, 16, 6, 2
     kc = randn((num_blocks, block_size, hkv, head_dim), torch.float32, "cpu", head_dim)
     vc = randn((num_blocks, block_size, hkv, head_dim), torch.float32, "cpu", head_dim + 1)
@@ -231,6 +234,18 @@ def test_c_kernel_other_head_dims(c_kernel, head_dim):
     out = poison(torch.empty_like(q))
     assert c_kernel(q, kc, vc, bt, sl, head_dim ** -0.5, out)
     assert_close(out, attention64(q, kc, vc, bt, sl, head_dim ** -0.5), torch.float32)
+    assert_close(paged_decode_attention(q, kc, vc, bt, sl), attention64(q, kc, vc, bt, sl, head_dim ** -0.5),
+                 torch.float32)
+
+
+def test_cuda_head_dims_are_refused_by_name():
+    """The CUDA kernels are instantiated for 64/128/256 only: another head_dim is refused before any launch
+    (checked without a GPU: the check precedes the allocation)."""
+    for head_dim in (80, 96):
+        with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\) on CUDA"):
+            allocate_kv_cache(2, 16, 1, head_dim, torch.float16, "cuda")
+    k, v, _, _ = allocate_kv_cache(2, 16, 1, 96, torch.float16, "cpu")
+    assert k.shape == (2, 16, 1, 96)
 
 
 def test_c_kernel_long_context_and_interleaved_cache(c_kernel):
@@ -258,13 +273,16 @@ def rope64(x, cos, sin):
 
 # (num_q_heads, num_kv_heads, head_dim, block_size): the engine's GQA 3 at head_dim 64, MHA at 128, MQA.
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size",
-                         [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 32)])
+                         [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 32), (4, 2, 96, 16), (2, 1, 256, 8)])
+@pytest.mark.parametrize("window", [None, 2, "block+2"])
 def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num_kv_heads, head_dim,
-                                                      block_size):
+                                                      block_size, window):
     """The engine's one-call CPU layer attention (kl_rope_write_paged_attention_f32): three prompt tokens of
     one sequence after a cached prefix (each sees the ones before it, written in the same call), a decode
-    token of another, and a padding row (slot -1, length 0) that must neither write nor read."""
-    seed = case_seed("c-fused", num_q_heads, num_kv_heads, head_dim, block_size)
+    token of another, and a padding row (slot -1, length 0) that must neither write nor read. With a sliding
+    window each row sees the last `window` tokens of its own length (the prompt rows' windows differ)."""
+    window = block_size + 2 if window == "block+2" else window
+    seed = case_seed("c-fused", num_q_heads, num_kv_heads, head_dim, block_size, window)
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     num_blocks = 7
     kc = randn((num_blocks, block_size, hkv, d), torch.float32, "cpu", seed)
@@ -281,7 +299,9 @@ def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num
     slots = torch.tensor([slot(r, p) if r is not None else -1 for r, p in zip(seq_rows, positions)])
     lens = torch.tensor([p + 1 if r is not None else 0 for r, p in zip(seq_rows, positions)], dtype=torch.int32)
     # NaN in every slot no row may read, and in the slots this call writes (they must be overwritten first).
-    poison_unread_slots(kc, vc, tables[:2], torch.tensor([cached, pos1], dtype=torch.int32))
+    # (a window of W - 1 over the cached lengths starts where the first new row's window of W starts)
+    poison_unread_slots(kc, vc, tables[:2], torch.tensor([cached, pos1], dtype=torch.int32),
+                        window - 1 if window else None)
     for s in slots[slots >= 0].tolist():
         kc.view(-1, hkv, d)[s] = float("nan")
         vc.view(-1, hkv, d)[s] = float("nan")
@@ -300,7 +320,8 @@ def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num
     before_k, before_v = kc.clone(), vc.clone()
     out = poison(torch.empty(len(positions), hq * d))
     row_tables = tables[[0, 0, 0, 1, 2]]  # a query row's own table: the rows of one sequence share it
-    cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, slots, kc, vc, row_tables, lens, hq, 0.3, out)
+    cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, slots, kc, vc, row_tables, lens, hq, 0.3, out,
+                                               window=window or 0)
 
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     written[slots[slots >= 0]] = True
@@ -309,9 +330,92 @@ def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num
     assert_close(kc[written], expected_k[written], torch.float32)
     assert torch.equal(kc[~written].nan_to_num(7.0), before_k[~written].nan_to_num(7.0)), "wrote K elsewhere"
     assert torch.equal(vc[~written].nan_to_num(7.0), before_v[~written].nan_to_num(7.0)), "wrote V elsewhere"
-    reference = attention64(q64, expected_k, expected_v, row_tables, lens, 0.3)
+    reference = attention64(q64, expected_k, expected_v, row_tables, lens, 0.3, window=window)
     assert_close(out.view(-1, hq, d), reference, torch.float32)
     assert torch.equal(out[4], torch.zeros_like(out[4])), "the padding row must be exactly zero"
+
+
+# --------------------------------------------------------------------------------------------- sliding window
+def windowed_case(seed, window, block_size, dtype):
+    """Lengths around the window and the page edges (0, 1, W - 1, W, W + 1, several pages past it), the
+    slots before each window poisoned and the table entries of pages wholly before it set to -1 (a kernel
+    that reads them fails), and the expected output in float64."""
+    lengths = sorted({1, max(window - 1, 1), window, window + 1, 2 * block_size + 1, 5 * block_size - 3,
+                      6 * block_size}) + [0]
+    q, kc, vc, bt, sl, _, _ = make_case(seed, batch=len(lengths), num_q_heads=6, num_kv_heads=2, head_dim=64,
+                                        block_size=block_size, lengths=lengths, max_blocks=max(
+                                            6, -(-max(lengths) // block_size)), dtype=dtype, shared=False)
+    expected = attention64(q, kc, vc, bt, sl, 0.2, window=window)
+    poison_unread_slots(kc, vc, bt, sl, window)
+    for b, length in enumerate(lengths):
+        bt[b, :max(0, length - window) // block_size] = -1
+    return q, kc, vc, bt, sl, expected
+
+
+WINDOWS = [1, 5, 16, 19, 40]  # with block_size 16: inside a page, a page exactly, across a page edge, 2.5 pages
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("path", ["c", "reference fp32", "reference bf16"])
+def test_sliding_window_matches_float64(window, path, monkeypatch):
+    dtype = torch.bfloat16 if path.endswith("bf16") else torch.float32
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("window", window, path), window, 16, dtype)
+    assert int(bt[-2, 0]) == -1, "the longest sequence must have pages wholly before its window"
+    out = poison(torch.empty_like(q))
+    if path == "c":
+        monkeypatch.delenv("KERNEL_LAB_CPU_KERNELS", raising=False)
+        if cpu_kernels.load_library() is None:
+            pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+
+        def no_reference(*args, **kwargs):
+            raise AssertionError("the CPU fp32 op ran the PyTorch reference, not the C kernel")
+
+        monkeypatch.setattr(paged_attention, "paged_decode_attention_reference", no_reference)
+        paged_decode_attention(q, kc, vc, bt, sl, scale=0.2, out=out, sliding_window=window)
+    elif path == "reference fp32":
+        out = paged_decode_attention_reference(q, kc, vc, bt, sl, 0.2, sliding_window=window)
+    else:
+        paged_decode_attention(q, kc, vc, bt, sl, scale=0.2, out=out, sliding_window=window)  # CPU bf16: reference
+    assert_close(out, expected, dtype)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "a length-0 row must be exactly zero"
+
+
+@pytest.mark.parametrize("window", [0, None, 6 * 16, 10_000])
+def test_window_of_the_context_or_more_is_full_attention(c_kernel, window):
+    q, kc, vc, bt, sl, _, _ = make_case(case_seed("window-full", window), batch=3, num_q_heads=4, num_kv_heads=4,
+                                        head_dim=64, block_size=16, lengths=[6 * 16, 37, 1], dtype=torch.float32)
+    poison_unread_slots(kc, vc, bt, sl)
+    full = attention64(q, kc, vc, bt, sl, 0.125)
+    assert_close(paged_decode_attention(q, kc, vc, bt, sl, sliding_window=window), full, torch.float32)
+    reference = paged_decode_attention_reference(q, kc, vc, bt, sl, sliding_window=window)
+    assert_close(reference, full, torch.float32)
+
+
+def test_window_start_is_transformers_sliding_window_mask():
+    """The off-by-one that matters: transformers' mask (kv_idx > q_idx - W on top of causal) for the query at
+    position length - 1 is the same key set as ours, [window_starts, length)."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    for window in (1, 2, 7, 16):
+        mask = masking_utils.sliding_window_overlay(window)
+        lengths = torch.arange(1, 40, dtype=torch.int32)
+        starts = paged_attention.window_starts(lengths, window)
+        for length, start in zip(lengths.tolist(), starts.tolist()):
+            seen = [kv for kv in range(length) if mask(0, 0, length - 1, kv)]
+            assert seen == list(range(start, length)), (window, length)
+
+
+def test_sliding_window_bad_values_and_table_checks():
+    q, kc, vc, bt, sl, _, _ = make_case(3, batch=2, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
+                                        lengths=[30, 5], dtype=torch.float32)
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 0"):
+            paged_decode_attention(q, kc, vc, bt, sl, sliding_window=bad)
+    bt[0, :2] = 999  # pages wholly before a window of 10 (positions 20..29): never read, so not checked
+    check_table_values(bt, sl, kc.shape[0], kc.shape[1], sliding_window=10)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 999 is outside the pool"):
+        check_table_values(bt, sl, kc.shape[0], kc.shape[1], sliding_window=15)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decode_attention(q, kc, vc, bt, sl)
 
 
 def test_public_op_runs_the_c_kernel_for_fp32(c_kernel, monkeypatch):
@@ -485,8 +589,6 @@ BAD_INPUTS = [
     (lambda a: _with(q=a["q"][..., :32]), ValueError, "q head_dim"),
     (lambda a: _with(q=a["q"][0]), ValueError, "q must be 3-D"),
     (lambda a: _with(q=torch.empty(2, 4, 128, dtype=torch.float16)[..., ::2]), ValueError, "q must be contiguous"),
-    (lambda a: _with(k_cache=a["k_cache"][:, :, :, :48].contiguous(), v_cache=a["v_cache"][:, :, :, :48]
-                     .contiguous(), q=a["q"][..., :48]), ValueError, "head_dim"),
     (lambda a: _with(k_cache=a["k_cache"][:, :12].contiguous(), v_cache=a["v_cache"][:, :12].contiguous()),
      ValueError, "block_size"),
     (lambda a: _with(v_cache=a["v_cache"][:-1]), ValueError, "v_cache must have k_cache's shape"),

@@ -194,7 +194,8 @@ def test_write_kv_bad_input(call, error, pattern):
 
 # --------------------------------------------------------------------------------------------- fp8 decode
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("hq, hkv, head_dim, block_size", [(8, 8, 128, 16), (16, 2, 64, 32), (4, 1, 256, 8)])
+@pytest.mark.parametrize("hq, hkv, head_dim, block_size", [(8, 8, 128, 16), (16, 2, 64, 32), (4, 1, 256, 8),
+                                                     (6, 2, 96, 16)])  # 96: CPU only
 def test_fp8_decode_matches_float64_over_dequantised_cache(hq, hkv, head_dim, block_size, dtype):
     lengths = [1, block_size, block_size + 1, 4 * block_size]
     seed = case_seed("fp8-decode", hq, hkv, head_dim, block_size, dtype)

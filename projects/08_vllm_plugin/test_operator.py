@@ -97,7 +97,7 @@ def test_torch_compile_inlines_the_triton_kernel():
     y, code = run_and_get_code(compiled, x)
     assert_close(y, reference64(x) * 0.5, torch.float16)
     source = "\n".join(code)
-    assert "_silu_and_mul_kernel" in source
+    assert "_gated_activation_kernel" in source
     assert "torch.ops.kernel_lab.silu_and_mul" not in source, "the operator was kept opaque, not inlined"
 
 

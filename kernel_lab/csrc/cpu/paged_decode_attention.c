@@ -4,6 +4,11 @@
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
  * ctypes, and holds the build flags (with the reason for each).
  *
+ * Sliding window: with `window` W > 0 the query (the sequence's last token, position len - 1) attends the
+ * keys at positions (len - 1 - W, len - 1], the last W tokens, as transformers' sliding-window mask
+ * (kv_idx > q_idx - W) and llama.cpp's SWA; pages wholly before the window are never read (their table
+ * entries may be anything). W = 0 attends the whole sequence.
+ *
  * Why it exists: the PyTorch reference gathers every used page into a copy, zeroes the stale slots, then
  * reads the copy again in SDPA. Here each page is read in place, once, and the softmax is online.
  *
@@ -77,6 +82,9 @@ static inline void prefetch_part(const float *page, int64_t stride_token, int lo
     for (int64_t f = first / line * line; f < end; f += line) PREFETCH(page + f);
 }
 
+/* The first position a query at position len - 1 attends: len - W with a window W > 0, else 0. */
+static inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
+
 /* Inlined twice (see the entry point): for head_dim 64 with constant trip counts (no remainder code, a
  * 64-wide row's accumulators stay in registers: about 25% less compute), and for any head_dim. */
 static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_t q_stride_h,
@@ -84,7 +92,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                                       int64_t cache_stride_token, int64_t cache_stride_head,
                                       const int32_t *block_tables, int64_t table_stride,
                                       const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
-                                      int head_dim, int block_size, float scale, float *out,
+                                      int head_dim, int block_size, float scale, int window, float *out,
                                       int64_t out_stride_b, int64_t out_stride_h) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
@@ -121,15 +129,19 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
         }
         const int32_t *table = block_tables + b * table_stride;
         const int num_pages = (len + block_size - 1) / block_size;
+        const int first = window_start(len, window);
         /* Page by page with every KV head inside (not KV head by KV head over the sequence): a token's K
          * (or V) row holds all KV heads side by side, so each pass sweeps one contiguous stretch of the
          * page, front to back, and the page is read from memory once. */
-        for (int page_idx = 0; page_idx < num_pages; ++page_idx) {
-            /* Slots past the sequence's length may hold anything (even NaN): never read them. */
-            const int tokens = len - page_idx * block_size < block_size ? len - page_idx * block_size
-                                                                         : block_size;
-            const float *k_page = k_cache + (int64_t)table[page_idx] * cache_stride_block;
-            const float *v_page = v_cache + (int64_t)table[page_idx] * cache_stride_block;
+        for (int page_idx = first / block_size; page_idx < num_pages; ++page_idx) {
+            /* The page's part of [first, len): slots past the sequence's length (or before the window)
+             * may hold anything (even NaN): never read them. Only the window's first page starts inside. */
+            const int lo = page_idx * block_size > first ? page_idx * block_size : first;
+            const int hi = len < (page_idx + 1) * block_size ? len : (page_idx + 1) * block_size;
+            const int tokens = hi - lo;
+            const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
+            const float *k_page = k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
+            const float *v_page = v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
             /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
              * entries past a sequence's last page may be padding, so only used entries are looked up. */
             int64_t next = -1;
@@ -138,8 +150,9 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                 next = table[page_idx + 1];
                 next_tokens = len - (page_idx + 1) * block_size;
             } else if (b + 1 < batch && seq_lens[b + 1] > 0) {
-                next = block_tables[(b + 1) * table_stride];
-                next_tokens = seq_lens[b + 1];
+                const int next_first = window_start(seq_lens[b + 1], window) / block_size;
+                next = block_tables[(b + 1) * table_stride + next_first];
+                next_tokens = seq_lens[b + 1] - next_first * block_size;
             }
             next_tokens = next < 0 ? 0 : next_tokens < block_size ? next_tokens : block_size;
             const float *next_k = k_cache + (next < 0 ? 0 : next) * cache_stride_block;
@@ -247,17 +260,17 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
 }
 
 /* Strides are in elements; the last dimension of q, the caches and out is contiguous, and K and V share
- * their strides. Returns 0, or -1 when the scratch buffer cannot be allocated (then nothing is written). */
+ * their strides. `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, or -1 when the scratch buffer cannot be allocated (then nothing is written). */
 int kl_paged_decode_attention_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
                                   const float *v_cache, int64_t cache_stride_block, int64_t cache_stride_token,
                                   int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
                                   const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
-                                  int head_dim, int block_size, float scale, float *out, int64_t out_stride_b,
-                                  int64_t out_stride_h) {
+                                  int head_dim, int block_size, float scale, int window, float *out,
+                                  int64_t out_stride_b, int64_t out_stride_h) {
 #define CALL(D)                                                                                              \
     paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, cache_stride_block, cache_stride_token,         \
                  cache_stride_head, block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, D, \
-                 block_size, scale, out, out_stride_b, out_stride_h)
+                 block_size, scale, window, out, out_stride_b, out_stride_h)
     /* Only the engine's head_dim gets its own copy: each copy adds most of a second to the build, and the
      * tests' other head dims keep the generic copy covered. */
     if (head_dim == 64) return CALL(64);
@@ -286,7 +299,8 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
  *
  * qkv [tokens, (Hq + 2 Hkv) * head_dim] is the qkv projection's output, row stride `qkv_stride`; cos and
  * sin [tokens, head_dim] are the rows of each token's position (contiguous). Every token's K and V are
- * written before any row attends, so rows of one sequence in one call (prompt tokens) see each other. A slot
+ * written before any row attends, so rows of one sequence in one call (prompt tokens) see each other; with
+ * a sliding `window` each row sees the last `window` tokens of its own length. A slot
  * of -1 stores nothing. `out` [tokens, Hq * head_dim] is contiguous. Returns 0, or -1 when scratch memory
  * cannot be allocated (then the cache may hold this call's K and V but `out` is unwritten). */
 int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, const float *cos_rows,
@@ -294,7 +308,7 @@ int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, cons
                                       int64_t cache_stride_block, int64_t cache_stride_token,
                                       int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
                                       const int32_t *seq_lens, int tokens, int num_q_heads, int num_kv_heads,
-                                      int head_dim, int block_size, float scale, float *out) {
+                                      int head_dim, int block_size, float scale, int window, float *out) {
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
     float *q = malloc((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row * sizeof(float));
     if (!q) return -1;
@@ -315,7 +329,7 @@ int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, cons
     const int status = kl_paged_decode_attention_f32(q, q_row, head_dim, k_cache, v_cache, cache_stride_block,
                                                      cache_stride_token, cache_stride_head, block_tables,
                                                      table_stride, seq_lens, tokens, num_q_heads, num_kv_heads,
-                                                     head_dim, block_size, scale, out, q_row, head_dim);
+                                                     head_dim, block_size, scale, window, out, q_row, head_dim);
     free(q);
     return status;
 }

@@ -27,7 +27,7 @@ OP_NAMESPACE = "kernel_lab"
 OP_NAME = f"{OP_NAMESPACE}::silu_and_mul"
 
 # The JIT function itself, so that Inductor can read its source when it inlines the launch.
-_silu_and_mul_kernel = swiglu._silu_and_mul_kernel
+_gated_activation_kernel = swiglu._gated_activation_kernel
 
 
 def launch_traceable(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -45,8 +45,8 @@ def launch_traceable(x: torch.Tensor, out: torch.Tensor) -> None:
     col_blocks = triton.cdiv(d, block)
     if col_blocks > swiglu.MAX_GRID_Y:
         raise ValueError(f"x's half width d={d} exceeds the supported maximum {swiglu.MAX_GRID_Y * block}")
-    wrap_triton(_silu_and_mul_kernel)[(x2.shape[0], col_blocks)](
-        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=num_warps,
+    wrap_triton(_gated_activation_kernel)[(x2.shape[0], col_blocks)](
+        x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, ACTIVATION="silu", num_warps=num_warps,
     )
 
 
