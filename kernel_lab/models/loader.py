@@ -71,7 +71,8 @@ def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
 
 
 def has_quantized_weights(model_dir) -> bool:
-    """True for a directory exported from a GGUF with Q4_0, Q4_1 or Q8_0 tensors (gguf.BLOCKS_FILE)."""
+    """True for a directory exported from a GGUF with tensors in a format ops/gguf_linear.py computes on
+    (gguf.BLOCKS_FILE)."""
     from .gguf import BLOCKS_FILE
 
     return model_dir is not None and (Path(model_dir) / BLOCKS_FILE).is_file()
@@ -81,7 +82,7 @@ def load_quantized_weights(model_dir) -> dict:
     """{Hugging Face name: QuantizedWeight} from the directory's GGUF blocks file (empty if it has none)."""
     from safetensors import safe_open
 
-    from kernel_lab.ops.gguf_linear import BLOCK, BLOCK_BYTES, FORMATS, QuantizedWeight
+    from kernel_lab.ops.gguf_linear import BLOCK_BYTES, BLOCK_WEIGHTS, FORMATS, QuantizedWeight
 
     from .gguf import BLOCKS_FILE
 
@@ -96,6 +97,6 @@ def load_quantized_weights(model_dir) -> dict:
                 raise ValueError(f"{str(path)!r}: tensor {name!r} has no known block format ({formats.get(name)!r})")
             data = st.get_tensor(name)
             ggml_type = FORMATS[formats[name]]
-            k = data.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK
+            k = data.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS[ggml_type]
             weights[name] = QuantizedWeight(ggml_type, data.contiguous(), (data.shape[0], k))
     return weights

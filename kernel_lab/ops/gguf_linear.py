@@ -133,6 +133,37 @@ class PackedWeight:
         return QuantizedWeight(self.ggml_type, rows[:n].contiguous(), self.shape)
 
 
+@dataclass(frozen=True)
+class PackedStack:
+    """Row-stacked weights of different formats, one output: a Q4_K_M file's q|k|v or gate|up where v or
+    one of the pair is Q6_K. Each part is computed into its columns of y. The parts' tiles are views of
+    one buffer, `tiles`, so the stack is one allocation like a PackedWeight."""
+
+    parts: tuple[PackedWeight, ...]
+    tiles: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    @property
+    def format(self) -> str:
+        return "+".join(p.format for p in self.parts)
+
+
+def stack(parts: list[PackedWeight]) -> PackedStack:
+    """The rows of `parts` (one width, any formats) as one layer's weight."""
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("only weights of one width can be stacked")
+    tiles = torch.cat([p.tiles.reshape(-1) for p in parts])
+    views, start = [], 0
+    for p in parts:
+        views.append(PackedWeight(p.ggml_type, tiles[start:start + p.tiles.numel()].view(p.tiles.shape), p.shape))
+        start += p.tiles.numel()
+    return PackedStack(tuple(views), tiles, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
 def pack(weight: QuantizedWeight) -> PackedWeight:
     """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load)."""
     _check_weight(weight)
@@ -237,7 +268,8 @@ def _check_weight(weight, packed_ok: bool = False) -> None:
 
 
 def _check_arguments(x, weight, bias, out) -> None:
-    _check_weight(weight, packed_ok=True)
+    if not isinstance(weight, PackedStack):
+        _check_weight(weight, packed_ok=True)
     check_tensor("x", x, dtypes=(torch.float32,), ndim=2)
     n, k = weight.shape
     m = x.shape[0]
@@ -254,7 +286,7 @@ def _check_arguments(x, weight, bias, out) -> None:
         raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
 
 
-def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None,
+def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight | PackedStack, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, threads: int | None = None, validate: bool = True) -> torch.Tensor:
     """y [m, n] = x [m, k] @ W.T (+ bias), W in GGUF blocks. x: float32 on CPU, stride 1 in its last dim.
     `threads` defaults to the count of an enclosing `kernel_threads` block, else torch's intra-op thread
@@ -269,6 +301,12 @@ def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: t
     if x.stride(-1) != 1 and k > 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    if isinstance(weight, PackedStack):
+        start = 0
+        for part in weight.parts:
+            gguf_linear(x, part, out=y[:, start:start + part.shape[0]], threads=threads, validate=False)
+            start += part.shape[0]
+        return y if bias is None else y.add_(bias)
     lib = _library()
     if lib is None:
         y.copy_(gguf_linear_reference(x, weight.unpack() if isinstance(weight, PackedWeight) else weight))

@@ -146,3 +146,42 @@ def test_the_one_call_layer_attention_is_the_separate_ops(monkeypatch):
         top = sorted(b, key=b.get, reverse=True)[:5]
         assert sorted(a, key=a.get, reverse=True)[:5] == top
         assert max(abs(a[t] - b[t]) for t in top) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------- K-quant files
+K_QUANT_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+               "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # like Q4_K_M, plus Q5_K
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """A tiny Llama GGUF (make_1b_gguf.py's `tiny` shape, the bundled tokenizer) whose matrices are random
+    K-quant blocks laid out as llama.cpp's Q4_K_M lays them out: v and down in Q6_K beside Q4_K, lm_head Q6_K."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_1b_gguf", Path(__file__).parent / "make_1b_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_random(tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf", "tiny", K_QUANT_MIX)
+
+
+def test_k_quant_files_run_on_their_blocks(k_quant_file):
+    """Every projection, the embedding and the untied lm_head compute on the K-quant blocks (a q|k|v whose v is
+    Q6_K beside Q4_K stacks both formats instead of falling back to float32), and the logits stay near the
+    float32 path on the same weights."""
+    from kernel_lab.models.llama import Linear, QuantizedLinear
+    from kernel_lab.ops.gguf_linear import PackedStack
+
+    engine = LLMEngine(str(k_quant_file), weights="quantized", **KWARGS)
+    model = engine.runner.model
+    assert not any(isinstance(m, Linear) for m in model.modules()), "a projection fell back to float32"
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_proj.packed, PackedStack) and layer.qkv_proj.packed.format == "Q4_K+Q4_K+Q6_K"
+    assert layer.o_proj.packed.format == "Q5_K" and layer.down_proj.packed.format == "Q6_K"
+    assert model.embed.packed.format == "Q4_K" and isinstance(model.lm_head, QuantizedLinear)
+    assert model.lm_head.packed.format == "Q6_K"
+    q_rows = _first_logprobs(engine, PROMPTS[:4])
+    f_rows = _first_logprobs(LLMEngine(str(k_quant_file), weights="float32", **KWARGS), PROMPTS[:4])
+    worst = max(abs(q[t] - f[t]) for q, f in zip(q_rows, f_rows, strict=True) for t in f if t in q)
+    assert 1e-4 < worst <= LOGPROB_BOUND
