@@ -333,3 +333,40 @@ def test_kernel_threads_gives_the_cores_to_the_kernel_and_restores_torch(library
             assert torch.equal(gguf_linear(x, weight), expected)
             raise RuntimeError("inside")
     assert torch.get_num_threads() == before and module._step_threads is None
+
+
+# ------------------------------------------------------------------------------- llama.cpp's own K-quants
+def _make_gguf_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_1b_gguf", Path(__file__).parent / "make_1b_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_cpp_quantized_k_blocks_through_the_kernel(library, tmp_path):
+    """The K-quant blocks llama.cpp's quantizer writes (a tiny Q4_K_M of make_1b_gguf.py: Q4_K with Q6_K for
+    some v, down and the lm_head) decode as the gguf package decodes them, and the kernel on them stays within
+    the stated bound of float64 x @ W.T. Needs .venv-llamacpp (`make llama-cpp-env`), which CI does not build."""
+    make = _make_gguf_module()
+    if not make.llama_cpp_ready():
+        pytest.skip("no .venv-llamacpp (make llama-cpp-env): llama.cpp's quantizer is not here")
+    gguf = pytest.importorskip("gguf")
+    path = make.build("tiny", ["Q4_K_M"], out=tmp_path, log=lambda *_: None)["Q4_K_M"]
+    seen = set()
+    for tensor in gguf.GGUFReader(path).tensors:
+        fmt = tensor.tensor_type.name
+        if fmt not in K_FORMATS or (fmt, tensor.name.split(".")[-2]) in seen:
+            continue
+        seen.add((fmt, tensor.name.split(".")[-2]))
+        n, k = (int(d) for d in reversed(tensor.shape))
+        weight = QuantizedWeight(FORMATS[fmt], torch.from_numpy(tensor.data.copy()).view(torch.uint8).view(n, -1),
+                                 (n, k))
+        theirs = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).float().reshape(n, k)
+        assert torch.equal(weight.dequantize(), theirs), tensor.name
+        x = random_x(3, k, case_seed("llama.cpp-k", tensor.name))
+        error = (gguf_linear(x, pack(weight)).double() - x.double() @ theirs.double().T).abs()
+        assert bool((error <= activation_rounding_bound(x, weight) + summation_tolerance(x, weight)).all())
+    assert {f for f, _ in seen} == {"Q4_K", "Q6_K"}
