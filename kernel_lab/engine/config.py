@@ -60,10 +60,10 @@ class EngineConfig:
     `kv_cache_dtype` hold torch objects and `max_num_batched_tokens` a number; `num_kv_blocks` is filled
     by `resolve_num_kv_blocks` once the model is built (on CUDA the default depends on its activations).
 
-    `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0 blocks (CPU, float32 activations, the C kernel
-    of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto" (default) picks quantized
-    wherever it applies, the faster path in projects/09_engine's measurements. After construction it holds
-    the path taken."""
+    `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks (CPU, float32
+    activations, the C kernel of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto"
+    (default) picks quantized wherever it applies, the faster path in projects/09_engine's measurements.
+    After construction it holds the path taken."""
 
     model: str | dict | None = None
     dtype: str | torch.dtype = "auto"
@@ -89,7 +89,7 @@ class EngineConfig:
         if isinstance(self.model, dict):
             self.hf_config = self.model
         else:
-            self.model_dir = resolve_model_dir(self.model)
+            self.model_dir = resolve_model_dir(self.model, float_weights=False)  # a GGUF's tensors are read in place
             self.hf_config = load_config(self.model_dir)
         self.model_config = config = ModelConfig.from_hf(self.hf_config)
         self.model_name = _model_name(self.model, self.model_dir)
@@ -149,7 +149,8 @@ class EngineConfig:
         if self.dtype != torch.float32:
             return f"it takes float32 activations and dtype is {str(self.dtype).replace('torch.', '')}"
         if not has_quantized_weights(self.model_dir):
-            return "the model has no Q4_0, Q4_1 or Q8_0 GGUF tensors (it must be loaded from such a .gguf file)"
+            return ("the model has no GGUF tensors in a block format the kernel computes on (Q4_0, Q4_1, Q8_0, Q4_K, "
+                    "Q5_K, Q6_K; it must be loaded from such a .gguf file)")
         from kernel_lab.ops.gguf_linear import kernel_available
 
         if not kernel_available():

@@ -11,17 +11,21 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def resolve_model_dir(model=None) -> Path:
-    """The Hugging Face directory for `model`: None (the bundled default), a .gguf file, or a directory."""
+def resolve_model_dir(model=None, float_weights: bool = True) -> Path:
+    """The Hugging Face directory for `model`: None (the bundled default), a .gguf file, or a directory.
+    A GGUF's export holds float32 weights, or with float_weights=False none (the engine's: its loaders
+    then read the GGUF's own tensors, gguf.gguf_weights)."""
     from .gguf import default_model_path, export_hf_directory
 
     if model is None:
-        return export_hf_directory(default_model_path())
+        return export_hf_directory(default_model_path(), float_weights=float_weights)
     path = Path(model).expanduser()
     if path.is_file():
-        if path.suffix.lower() != ".gguf" and path.read_bytes()[:4] != b"GGUF":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() != ".gguf" and magic != b"GGUF":
             raise ValueError(f"model path {str(model)!r} is a file but not a GGUF file")
-        return export_hf_directory(path)
+        return export_hf_directory(path, float_weights=float_weights)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {str(model)!r} has no config.json")
@@ -60,6 +64,10 @@ def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
     dtype."""
     from safetensors import safe_open
 
+    from .gguf import gguf_source, gguf_weights
+
+    if gguf_source(model_dir) is not None:
+        return gguf_weights(gguf_source(model_dir), quantized=False, skip=skip)
     skip = set(skip)
     state_dict: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
@@ -73,8 +81,10 @@ def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
 def has_quantized_weights(model_dir) -> bool:
     """True for a directory exported from a GGUF with tensors in a format ops/gguf_linear.py computes on
     (gguf.BLOCKS_FILE)."""
-    from .gguf import BLOCKS_FILE
+    from .gguf import BLOCKS_FILE, gguf_block_formats, gguf_source
 
+    if gguf_source(model_dir) is not None:
+        return bool(gguf_block_formats(model_dir))
     return model_dir is not None and (Path(model_dir) / BLOCKS_FILE).is_file()
 
 
@@ -84,8 +94,10 @@ def load_quantized_weights(model_dir) -> dict:
 
     from kernel_lab.ops.gguf_linear import BLOCK_BYTES, BLOCK_WEIGHTS, FORMATS, QuantizedWeight
 
-    from .gguf import BLOCKS_FILE
+    from .gguf import BLOCKS_FILE, gguf_source, gguf_weights
 
+    if gguf_source(model_dir) is not None:
+        return gguf_weights(gguf_source(model_dir), quantized=True)
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():
         return {}

@@ -102,15 +102,16 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) 
     Written tensor by tensor (peak memory: one tensor), then renamed into place so an interrupted run leaves
     no partial file under the final name."""
     import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     sys.path.insert(0, str(REPO))
-    from kernel_lab.models.gguf import _field_value, default_model_path
+    from kernel_lab.models.gguf import default_model_path
+    from kernel_lab.models.gguf_file import GGUFFile
 
     dims = SIZES[size]
-    source = GGUFReader(default_model_path())
-    tokenizer = {name: field for name, field in source.fields.items() if name.startswith("tokenizer.")}
-    vocab = len(_field_value(tokenizer["tokenizer.ggml.tokens"]))
+    source = GGUFFile(default_model_path())
+    tokenizer = {name: value for name, value in source.metadata.items() if name.startswith("tokenizer.")}
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(str(tmp), "llama")
     head_dim = dims["hidden"] // dims["heads"]
@@ -126,9 +127,10 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) 
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_file_type(1)  # LLAMA_FTYPE_MOSTLY_F16
-    for name, field in tokenizer.items():
-        sub_type = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, _field_value(field), field.types[0], sub_type=sub_type)
+    for name, value in tokenizer.items():
+        value_type, item_type = source.value_types[name]
+        writer.add_key_value(name, value, GGUFValueType(value_type),
+                             sub_type=None if item_type is None else GGUFValueType(item_type))
     shapes = tensor_shapes(dims, vocab)
     rng = np.random.default_rng(seed)
 
