@@ -429,10 +429,19 @@ def _kquant_tile_order(ggml_type: int) -> torch.Tensor:
     return index
 
 
-def _kquant_pack(weight: QuantizedWeight) -> PackedWeight:
+def _kquant_pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
+    """The C packer where the library loads (a 1B model's weights in well under a second), else this torch
+    form of the same gather (several seconds at that size)."""
     n, k = weight.shape
     sbs, ggml_type = k // SUPER_BLOCK, weight.ggml_type
     padded = -(-n // TILE_ROWS) * TILE_ROWS
+    lib = _library() if use_kernel else None
+    if lib is not None:
+        tiles = torch.empty(padded // TILE_ROWS, sbs * TILE_ROWS * (BLOCK_BYTES[ggml_type] + _WIDE_EXTRA[ggml_type]),
+                            dtype=torch.uint8)
+        if lib.kl_gguf_pack_kquant(ggml_type, weight.data.data_ptr(), n, k, tiles.data_ptr()) != 0:
+            raise RuntimeError("kl_gguf_pack_kquant failed")
+        return PackedWeight(ggml_type, tiles, weight.shape)
     blocks = torch.zeros(padded, sbs, BLOCK_BYTES[ggml_type], dtype=torch.uint8)
     blocks[:n] = weight.data.view(n, sbs, -1)
     wide = _widen(blocks, ggml_type).view(padded // TILE_ROWS, TILE_ROWS, sbs, -1).permute(0, 2, 1, 3)

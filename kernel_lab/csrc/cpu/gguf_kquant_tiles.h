@@ -198,3 +198,48 @@ static void kq_tile_rows(int type, const uint8_t *tile, const QuantizedRows *x, 
     }
 }
 #endif
+
+/* ----------------------------------------------------------------------------------------------- packing */
+/* tiles [ceil(n / 8), k / 256 * tile super-block bytes] = the rows [n, k / 256 * block bytes] of a K-quant
+ * weight in the layout above (zero rows pad the last tile). The same regrouping as ops/gguf_linear.py's torch
+ * `_kquant_pack`, which the tests compare it with; this one is what a 1B-parameter load can afford. */
+int kl_gguf_pack_kquant(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
+    static const uint8_t zero_block[210];
+    const int64_t tsb = kq_tile_block_bytes(type), sbs = k / QK_K;
+    if (tsb == 0 || k <= 0 || k % QK_K || n < 0) return -1;
+    const int64_t bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    for (int64_t t = 0; t < (n + TILE_N - 1) / TILE_N; t++) {
+        for (int64_t sb = 0; sb < sbs; sb++) {
+            uint8_t *dst = tiles + (t * sbs + sb) * tsb;
+            for (int i = 0; i < TILE_N; i++) {
+                const int64_t r = t * TILE_N + i;
+                const uint8_t *src = r < n ? rows + (r * sbs + sb) * bb : zero_block;
+                if (type == GGML_Q6_K) {
+                    memcpy(dst + 2 * i, src + 208, 2);
+                    for (int s = 0; s < 16; s++) dst[KQ6_SCALES + 8 * s + i] = src[192 + s];
+                    for (int h = 0; h < 2; h++)
+                        for (int v = 0; v < 8; v++) {
+                            for (int c = 0; c < 2; c++)
+                                memcpy(dst + KQ6_QL + 256 * (2 * h + c) + 32 * v + 4 * i, src + 64 * h + 32 * c + 4 * v, 4);
+                            memcpy(dst + KQ6_QH + 256 * h + 32 * v + 4 * i, src + 128 + 32 * h + 4 * v, 4);
+                        }
+                    continue;
+                }
+                memcpy(dst + 2 * i, src, 2);
+                memcpy(dst + 16 + 2 * i, src + 2, 2);
+                const uint8_t *sc = src + 4; /* 6-bit scales and mins, packed as ggml-quants' get_scale_min_k4 reads */
+                for (int s = 0; s < 8; s++) {
+                    dst[32 + 8 * s + i] = s < 4 ? sc[s] & 63 : (sc[s + 4] & 0x0f) | (sc[s - 4] >> 6) << 4;
+                    dst[KQ_MINS + 8 * s + i] = s < 4 ? sc[s + 4] & 63 : (sc[s + 4] >> 4) | (sc[s] >> 6) << 4;
+                }
+                const uint8_t *qs = src + (type == GGML_Q5_K ? 48 : 16);
+                for (int v = 0; v < 8; v++) {
+                    if (type == GGML_Q5_K) memcpy(dst + KQ_QH + 32 * v + 4 * i, src + 16 + 4 * v, 4);
+                    for (int p = 0; p < 4; p++)
+                        memcpy(dst + kq_quants_offset(type) + 256 * p + 32 * v + 4 * i, qs + 32 * p + 4 * v, 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
