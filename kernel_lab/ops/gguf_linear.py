@@ -164,9 +164,20 @@ def stack(parts: list[PackedWeight]) -> PackedStack:
     return PackedStack(tuple(views), tiles, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
-def pack(weight: QuantizedWeight) -> PackedWeight:
-    """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load)."""
+def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
+    """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load): by the C packer where
+    the library loads (a 1B model in about a second), else by these torch gathers (tens of seconds at
+    that size); the tests hold the two to the same bytes."""
     _check_weight(weight)
+    lib = _library() if use_kernel else None
+    if lib is not None:
+        n, k = weight.shape
+        widened = BLOCK_BYTES[weight.ggml_type] + _WIDE_EXTRA.get(weight.ggml_type, 0)
+        tiles = torch.empty(-(-n // TILE_ROWS), k // BLOCK_WEIGHTS[weight.ggml_type] * TILE_ROWS * widened,
+                            dtype=torch.uint8)
+        if lib.kl_gguf_pack(weight.ggml_type, weight.data.data_ptr(), n, k, tiles.data_ptr()) != 0:
+            raise RuntimeError("kl_gguf_pack failed")
+        return PackedWeight(weight.ggml_type, tiles, weight.shape)
     if weight.ggml_type in K_QUANTS:
         return _kquant_pack(weight)
     n, k = weight.shape
@@ -429,19 +440,10 @@ def _kquant_tile_order(ggml_type: int) -> torch.Tensor:
     return index
 
 
-def _kquant_pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
-    """The C packer where the library loads (a 1B model's weights in well under a second), else this torch
-    form of the same gather (several seconds at that size)."""
+def _kquant_pack(weight: QuantizedWeight) -> PackedWeight:
     n, k = weight.shape
     sbs, ggml_type = k // SUPER_BLOCK, weight.ggml_type
     padded = -(-n // TILE_ROWS) * TILE_ROWS
-    lib = _library() if use_kernel else None
-    if lib is not None:
-        tiles = torch.empty(padded // TILE_ROWS, sbs * TILE_ROWS * (BLOCK_BYTES[ggml_type] + _WIDE_EXTRA[ggml_type]),
-                            dtype=torch.uint8)
-        if lib.kl_gguf_pack_kquant(ggml_type, weight.data.data_ptr(), n, k, tiles.data_ptr()) != 0:
-            raise RuntimeError("kl_gguf_pack_kquant failed")
-        return PackedWeight(ggml_type, tiles, weight.shape)
     blocks = torch.zeros(padded, sbs, BLOCK_BYTES[ggml_type], dtype=torch.uint8)
     blocks[:n] = weight.data.view(n, sbs, -1)
     wide = _widen(blocks, ggml_type).view(padded // TILE_ROWS, TILE_ROWS, sbs, -1).permute(0, 2, 1, 3)

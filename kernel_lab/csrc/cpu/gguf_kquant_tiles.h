@@ -200,13 +200,10 @@ static void kq_tile_rows(int type, const uint8_t *tile, const QuantizedRows *x, 
 #endif
 
 /* ----------------------------------------------------------------------------------------------- packing */
-/* tiles [ceil(n / 8), k / 256 * tile super-block bytes] = the rows [n, k / 256 * block bytes] of a K-quant
- * weight in the layout above (zero rows pad the last tile). The same regrouping as ops/gguf_linear.py's torch
- * `_kquant_pack`, which the tests compare it with; this one is what a 1B-parameter load can afford. */
-int kl_gguf_pack_kquant(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
+/* A K-quant weight's rows [n, k / 256 * block bytes] in the layout above (kl_gguf_pack's K-quant half). */
+static void kq_pack(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
     static const uint8_t zero_block[210];
     const int64_t tsb = kq_tile_block_bytes(type), sbs = k / QK_K;
-    if (tsb == 0 || k <= 0 || k % QK_K || n < 0) return -1;
     const int64_t bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     for (int64_t t = 0; t < (n + TILE_N - 1) / TILE_N; t++) {
         for (int64_t sb = 0; sb < sbs; sb++) {
@@ -241,5 +238,4 @@ int kl_gguf_pack_kquant(int type, const uint8_t *rows, int64_t n, int64_t k, uin
             }
         }
     }
-    return 0;
 }

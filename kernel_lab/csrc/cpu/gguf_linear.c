@@ -550,6 +550,40 @@ int kl_gguf_dequantize_rows(int type, const uint8_t *w, int64_t k, const int64_t
     return 0;
 }
 
+/* tiles [ceil(n / 8), tile bytes] = the weight's GGUF rows [n, k / block weights * block bytes] regrouped in
+ * 8-row tiles (the layouts above and in gguf_kquant_tiles.h; zero rows pad the last tile). The same bytes as
+ * ops/gguf_linear.py's torch `pack`, which the tests compare it with; this one is what a 1B-parameter load
+ * can afford (a second, where the torch gathers took tens). Returns 0, or -1 for a bad type or shape. */
+int kl_gguf_pack(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
+    if (n < 0 || k <= 0 || k % (is_kquant(type) ? QK_K : QK) || (!is_kquant(type) && tile_block_bytes(type) == 0))
+        return -1;
+    if (is_kquant(type)) {
+        kq_pack(type, rows, n, k, tiles);
+        return 0;
+    }
+    const int64_t nb = k / QK, tbb = tile_block_bytes(type), bb = tbb / TILE_N;
+    const int groups = type == GGML_Q8_0 ? 8 : 4, scales = type == GGML_Q4_1 ? 4 : 2;
+    for (int64_t t = 0; t < (n + TILE_N - 1) / TILE_N; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = tiles + (t * nb + b) * tbb;
+            for (int i = 0; i < TILE_N; i++) {
+                const int64_t r = t * TILE_N + i;
+                if (r >= n) { /* padding: d = 0, and zero quants */
+                    memset(dst + 2 * i, 0, 2);
+                    if (type == GGML_Q4_1) memset(dst + 16 + 2 * i, 0, 2);
+                    for (int g = 0; g < groups; g++) memset(dst + quants_offset(type) + 32 * g + 4 * i, 0, 4);
+                    continue;
+                }
+                const uint8_t *src = rows + (r * nb + b) * bb;
+                memcpy(dst + 2 * i, src, 2);
+                if (type == GGML_Q4_1) memcpy(dst + 16 + 2 * i, src + 2, 2);
+                for (int g = 0; g < groups; g++) memcpy(dst + quants_offset(type) + 32 * g + 4 * i, src + scales + 4 * g, 4);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Which dot-product path this build uses (the tests check the instructions it implies). */
 const char *kl_gguf_isa(void) {
 #if KL_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
