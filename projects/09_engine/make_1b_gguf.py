@@ -70,9 +70,9 @@ def tensor_shapes(dims: dict, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 
 # Where a block format keeps its fp16 scale d (Q4_1, Q4_K, Q5_K: then the minimum's), and d for weights of
 # about WEIGHT_STD (the typical |quant| times, for K-quants, the typical sub-scale: 32, or 64 for Q6_K).
-_SCALE_AT = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
-_SCALE = {"Q4_0": WEIGHT_STD / 4, "Q4_1": WEIGHT_STD / 4, "Q8_0": WEIGHT_STD / 64, "Q4_K": WEIGHT_STD / 256,
-          "Q5_K": WEIGHT_STD / 512, "Q6_K": WEIGHT_STD / 2048}
+_SCALE_AT = {"Q4_0": 0, "Q4_1": 0, "Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208}
+_SCALE = {"Q4_0": WEIGHT_STD / 4, "Q4_1": WEIGHT_STD / 4, "Q5_0": WEIGHT_STD / 8, "Q8_0": WEIGHT_STD / 64,
+          "Q4_K": WEIGHT_STD / 256, "Q5_K": WEIGHT_STD / 512, "Q6_K": WEIGHT_STD / 2048}
 
 
 def random_blocks(fmt: str, shape: tuple[int, int], rng):
@@ -97,8 +97,9 @@ def write_f16(path: Path, size: str, seed: int = 0) -> Path:
 
 
 def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) -> Path:
-    """A random GGUF of `size`: matrices in F16, or as random blocks of `formats[role]` where the role (the
-    name's part before `.weight`, e.g. attn_v, ffn_down, token_embd, output) is listed; norms F32 ones.
+    """A random GGUF of `size`: matrices in F16, or as random blocks of `formats[role]` (Q4_0, Q4_1, Q5_0,
+    Q8_0, Q4_K, Q5_K, Q6_K) where the role (the name's part before `.weight`, e.g. attn_v, ffn_down,
+    token_embd, output) is listed; norms F32 ones.
     Written tensor by tensor (peak memory: one tensor), then renamed into place so an interrupted run leaves
     no partial file under the final name."""
     import numpy as np
@@ -134,8 +135,9 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) 
     shapes = tensor_shapes(dims, vocab)
     rng = np.random.default_rng(seed)
 
-    def block_format(name, shape):
-        return formats.get(name.removesuffix(".weight").rpartition(".")[2]) if len(shape) == 2 else None
+    def block_format(name, shape):  # None: F16 (or F32 for norms)
+        fmt = formats.get(name.removesuffix(".weight").rpartition(".")[2]) if len(shape) == 2 else None
+        return None if fmt == "F16" else fmt
 
     for name, shape in shapes:  # the header lists every tensor's type and size before any values
         fmt = block_format(name, shape)
