@@ -337,21 +337,11 @@ def test_kernel_threads_gives_the_cores_to_the_kernel_and_restores_torch(library
 
 
 # ------------------------------------------------------------------------------- llama.cpp's own K-quants
-def _make_gguf_module():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("make_1b_gguf", Path(__file__).parent / "make_1b_gguf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_llama_cpp_quantized_k_blocks_through_the_kernel(library, tmp_path):
+def test_llama_cpp_quantized_k_blocks_through_the_kernel(library, make_gguf, tmp_path):
     """The K-quant blocks llama.cpp's quantizer writes (a tiny Q4_K_M of make_1b_gguf.py: Q4_K with Q6_K for
     some v, down and the lm_head) decode as the gguf package decodes them, and the kernel on them stays within
     the stated bound of float64 x @ W.T. Needs .venv-llamacpp (`make llama-cpp-env`), which CI does not build."""
-    make = _make_gguf_module()
+    make = make_gguf
     if not make.llama_cpp_ready():
         pytest.skip("no .venv-llamacpp (make llama-cpp-env): llama.cpp's quantizer is not here")
     gguf = pytest.importorskip("gguf")

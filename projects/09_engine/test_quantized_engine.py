@@ -154,21 +154,11 @@ K_QUANT_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v
                "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # like Q4_K_M, plus Q5_K
 
 
-def _make_gguf():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("make_1b_gguf", Path(__file__).parent / "make_1b_gguf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def k_quant_file(tmp_path_factory):
+def k_quant_file(tmp_path_factory, make_gguf):
     """A tiny Llama GGUF (make_1b_gguf.py's `tiny` shape, the bundled tokenizer) whose matrices are random
     K-quant blocks laid out as llama.cpp's Q4_K_M lays them out: v and down in Q6_K beside Q4_K, lm_head Q6_K."""
-    return _make_gguf().write_random(tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf", "tiny", K_QUANT_MIX)
+    return make_gguf.write_random(tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf", "tiny", K_QUANT_MIX)
 
 
 def test_k_quant_files_run_on_their_blocks(k_quant_file):
@@ -192,7 +182,7 @@ def test_k_quant_files_run_on_their_blocks(k_quant_file):
     assert 1e-4 < worst <= LOGPROB_BOUND
 
 
-def test_gguf_files_load_in_place_without_a_float32_export(k_quant_file, caplog):
+def test_gguf_files_load_in_place_without_a_float32_export(k_quant_file, make_gguf, caplog):
     """The engine's directory for a GGUF holds no weights (config, tokenizer, a marker naming the file): the
     blocks come from the file's memory map, so resident weights stay near the file's tensor bytes (the
     K-quant tiles widen Q4_K/Q5_K's 6-bit scales: +2.8%). A matrix in a format without a kernel (Q5_0 and
@@ -209,7 +199,7 @@ def test_gguf_files_load_in_place_without_a_float32_export(k_quant_file, caplog)
     assert list(resolve_model_dir(str(k_quant_file)).glob("*.safetensors")), "the full export stays available"
 
     mixed = k_quant_file.with_name("fallback.gguf")
-    _make_gguf().write_random(mixed, "tiny", {**K_QUANT_MIX, "attn_output": "Q5_0", "ffn_down": "F16"})
+    make_gguf.write_random(mixed, "tiny", {**K_QUANT_MIX, "attn_output": "Q5_0", "ffn_down": "F16"})
     with caplog.at_level(logging.INFO, logger="kernel_lab.models.gguf"):
         engine = LLMEngine(str(mixed), weights="quantized", **KWARGS)
     logged = sorted(r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage())
