@@ -61,13 +61,17 @@ def safetensors_files(model_dir) -> list[Path]:
 
 def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files but those named in `skip`, on CPU in its stored
-    dtype."""
+    dtype. For a GGUF read in place (gguf.gguf_source) with `skip` (the quantized path's blocks): the other
+    tensors dequantized from the file; without: the float32 export's, which is made on first use."""
     from safetensors import safe_open
 
-    from .gguf import gguf_source, gguf_weights
+    from .gguf import export_hf_directory, gguf_source, gguf_weights
 
-    if gguf_source(model_dir) is not None:
-        return gguf_weights(gguf_source(model_dir), quantized=False, skip=skip)
+    source = gguf_source(model_dir)
+    if source is not None and skip:  # the quantized path: only what has no kernel, dequantized from the file
+        return gguf_weights(source, quantized=False, skip=skip)
+    if source is not None:  # float weights throughout (CUDA, weights="float32"): the export, made once
+        model_dir = export_hf_directory(source)
     skip = set(skip)
     state_dict: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
