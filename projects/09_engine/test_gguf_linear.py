@@ -44,6 +44,7 @@ from kernel_lab.ops.gguf_linear import (
     kernel_isa,
     pack,
     quantize_activations,
+    stack,
 )
 
 EPS32 = 2.0 ** -23
@@ -272,6 +273,23 @@ def test_packing_is_lossless_and_embedding_rows_decode(library):
         assert torch.equal(packed.unpack().data, weight.data)
         ids = torch.tensor([0, 20, 7, 8, 7])
         assert torch.equal(dequantize_rows(packed, ids), weight.dequantize()[ids])
+
+
+def test_a_stack_of_formats_computes_each_part_into_its_columns(library):
+    """Q4_K_M's q|k|v with v in Q6_K: one PackedStack, whose output is each part's own output side by side
+    (bit for bit), bias included, every column written."""
+    seed = case_seed("gguf-stack")
+    parts = [random_weight(fmt, n, 512, seed + i) for i, (fmt, n) in enumerate([("Q4_K", 24), ("Q4_K", 13),
+                                                                                 ("Q6_K", 13)])]
+    x, bias = random_x(5, 512, seed + 9), torch.randn(50, generator=generator(seed + 10))
+    stacked = stack([pack(p) for p in parts])
+    assert stacked.shape == (50, 512) and stacked.format == "Q4_K+Q4_K+Q6_K"
+    assert stacked.nbytes == sum(pack(p).nbytes for p in parts)
+    y = gguf_linear(x, stacked, bias=bias, out=poison(torch.empty(5, 50)))
+    expected = torch.cat([gguf_linear(x, pack(p)) for p in parts], dim=1) + bias
+    assert torch.equal(y, expected)
+    with pytest.raises(ValueError, match="one width"):
+        stack([pack(parts[0]), pack(random_weight("Q6_K", 8, 256, seed))])
 
 
 def test_block_decoding_matches_the_gguf_package():
