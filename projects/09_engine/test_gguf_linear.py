@@ -213,15 +213,15 @@ def test_every_isa_path_this_cpu_runs(library, extra_flags, expected):
 def test_tile_pairs_compute_the_same_bits_as_single_tiles(library):
     """With AVX-512 (VNNI and BW) steps of 5 or more rows take two tiles at once in 512-bit vectors; each lane
     does the 256-bit path's operations in its order, so the bits match a build without the pair path. The
-    shapes cover pairs, a leftover single tile, a partial last tile and row counts off the 4-row passes.
-    (K-quants take the single-tile path at every row count.)"""
+    shapes cover pairs, a leftover single tile, a partial last tile and row counts off the 4-row passes."""
     flags = f" {cpu_kernels._cpu_flags()} "
     if not all(f" {f} " in flags for f in ("avx512_vnni", "avx512bw", "avx512vl")):
         pytest.skip("the pair path needs AVX-512 VNNI and BW")
     single = cpu_kernels.load_library("gguf_linear", ("-mno-avx512bw",))
     assert single is not None and single.kl_gguf_isa().decode() == "avx512vnni"
-    for fmt in BLOCK_FORMATS:
+    for fmt in sorted(FORMATS):
         for m, n, k in [(5, 16, 64), (9, 129, 96), (33, 40, 160), (64, 264, 576)]:
+            k = width(fmt, k)
             seed = case_seed("gguf-pairs", fmt, m, n, k)
             weight, x = random_weight(fmt, n, k, seed), random_x(m, k, seed + 1)
             paired = run_kernel(library, x, weight)

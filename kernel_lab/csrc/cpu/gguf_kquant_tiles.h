@@ -164,6 +164,92 @@ static inline __attribute__((always_inline)) void kq_tile_rows(int type, const u
     }
     for (int r = 0; r < MR; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
+
+#ifdef KL_PAIR_TILES
+static inline __m512i low_nibbles_pair(const uint8_t *a, const uint8_t *b, int high) {
+    const __m512i raw = load_pair(a, b), mask = _mm512_set1_epi8(0x0f);
+    return _mm512_and_si512(high ? _mm512_srli_epi16(raw, 4) : raw, mask);
+}
+
+static inline __m512i shifted_bits_pair(__m512i v, int left, char mask) {
+    const __m512i s = left >= 0 ? _mm512_slli_epi16(v, left) : _mm512_srli_epi16(v, -left);
+    return _mm512_and_si512(s, _mm512_set1_epi8(mask));
+}
+
+static inline __m512i broadcast4_pair(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* 8 bytes of each of two tiles as 16 int32 lanes (lanes 0-7: the first tile's rows). */
+static inline __m512i bytes_pair(const uint8_t *a, const uint8_t *b, int is_signed) {
+    const __m128i raw = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+}
+
+/* Two adjacent full K-quant tiles (16 rows) in 512-bit vectors, as tile_pair_rows does for the 32-weight
+ * formats: every lane does kq_tile_rows' operations in its order, so the bits are the same. */
+static inline __attribute__((always_inline)) void kq_tile_pair_rows(int type, const uint8_t *tile, int64_t tile_bytes,
+                                                                     const QuantizedRows *x, int64_t r0, const int MR,
+                                                                     float *out, int64_t ldo) {
+    const int64_t nb = x->nb, tsb = kq_tile_block_bytes(type);
+    __m512 acc[PAIR_M];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = tile + sb * tsb, *blk2 = tile + tile_bytes + sb * tsb;
+        const __m512 d = halves_pair(blk, blk2);
+        for (int t = 0; t < 8; t++) {
+            const int64_t b = 8 * sb + t;
+            __m512i w[8];
+            if (type == GGML_Q6_K) {
+                const int h = t / 4, quarter = t % 4;
+                for (int g = 0; g < 8; g++) {
+                    const int64_t ql = KQ6_QL + 256 * (2 * h + quarter % 2) + 32 * g, qh = KQ6_QH + 256 * h + 32 * g;
+                    w[g] = _mm512_or_si512(low_nibbles_pair(blk + ql, blk2 + ql, quarter / 2),
+                                           shifted_bits_pair(load_pair(blk + qh, blk2 + qh), 4 - 2 * quarter, 0x30));
+                }
+                const int64_t sc = KQ6_SCALES + 16 * t;
+                const __m512i sc_a = bytes_pair(blk + sc, blk2 + sc, 1), sc_b = bytes_pair(blk + sc + 8, blk2 + sc + 8, 1);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t row = r0 + r;
+                    const int8_t *xq = x->q + row * x->k + b * QK;
+                    __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+                    for (int g = 0; g < 4; g++) ia = _mm512_dpbusd_epi32(ia, w[g], broadcast4_pair(xq + 4 * g));
+                    for (int g = 4; g < 8; g++) ib = _mm512_dpbusd_epi32(ib, w[g], broadcast4_pair(xq + 4 * g));
+                    const int32_t *halves = x->sum16 + row * 2 * nb + 2 * b;
+                    ia = _mm512_sub_epi32(ia, _mm512_set1_epi32(32 * halves[0]));
+                    ib = _mm512_sub_epi32(ib, _mm512_set1_epi32(32 * halves[1]));
+                    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(ia, sc_a), _mm512_mullo_epi32(ib, sc_b));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(x->d[row * nb + b])),
+                                             acc[r]);
+                }
+                continue;
+            }
+            const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair(blk + 32 + 8 * t, blk2 + 32 + 8 * t, 0)));
+            const __m512 min = _mm512_mul_ps(halves_pair(blk + 16, blk2 + 16),
+                                             _mm512_cvtepi32_ps(bytes_pair(blk + KQ_MINS + 8 * t, blk2 + KQ_MINS + 8 * t, 0)));
+            const int64_t qs = kq_quants_offset(type) + 256 * (t / 2);
+            for (int g = 0; g < 8; g++) {
+                w[g] = low_nibbles_pair(blk + qs + 32 * g, blk2 + qs + 32 * g, t % 2);
+                if (type == GGML_Q5_K)
+                    w[g] = _mm512_or_si512(w[g], shifted_bits_pair(load_pair(blk + KQ_QH + 32 * g, blk2 + KQ_QH + 32 * g),
+                                                                   4 - t, 0x10));
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t row = r0 + r;
+                const int8_t *xq = x->q + row * x->k + b * QK;
+                __m512i idot = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g++) idot = _mm512_dpbusd_epi32(idot, w[g], broadcast4_pair(xq + 4 * g));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d[row * nb + b])),
+                                         acc[r]);
+                acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x->s[row * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
 #else
 static void kq_tile_rows(int type, const uint8_t *tile, const QuantizedRows *x, int64_t r0, const int MR, float *out,
                          int64_t ldo) {

@@ -324,6 +324,17 @@ static inline __attribute__((always_inline)) void rows_pass(int type, const uint
         tile_rows(type, tile, x, r0, MR, out, ldo);
 }
 
+#ifdef KL_PAIR_TILES
+static inline __attribute__((always_inline)) void pair_pass(int type, const uint8_t *tile, int64_t tile_bytes,
+                                                             const QuantizedRows *x, int64_t r0, const int MR,
+                                                             float *out, int64_t ldo) {
+    if (is_kquant(type))
+        kq_tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
+    else
+        tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
+}
+#endif
+
 /* Tiles [t0, t1) against every row of x; y has n valid columns. */
 static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x,
                        int64_t m, int64_t t0, int64_t t1, float *y, int64_t ldy) {
@@ -332,14 +343,14 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
         const uint8_t *tile = w + t * tile_bytes;
         const int64_t n0 = t * TILE_N;
 #ifdef KL_PAIR_TILES
-        if (m >= PAIR_MIN_ROWS && !is_kquant(type) && t + 1 < t1 && n0 + 2 * TILE_N <= n) { /* two full tiles: 16 rows at once */
+        if (m >= PAIR_MIN_ROWS && t + 1 < t1 && n0 + 2 * TILE_N <= n) { /* two full tiles: 16 rows at once */
             for (int64_t r = 0; r < m; r += PAIR_M) {
                 float *dst = y + r * ldy + n0;
                 switch (m - r < PAIR_M ? m - r : PAIR_M) {
-                case 4: tile_pair_rows(type, tile, tile_bytes, x, r, 4, dst, ldy); break;
-                case 3: tile_pair_rows(type, tile, tile_bytes, x, r, 3, dst, ldy); break;
-                case 2: tile_pair_rows(type, tile, tile_bytes, x, r, 2, dst, ldy); break;
-                default: tile_pair_rows(type, tile, tile_bytes, x, r, 1, dst, ldy); break;
+                case 4: pair_pass(type, tile, tile_bytes, x, r, 4, dst, ldy); break;
+                case 3: pair_pass(type, tile, tile_bytes, x, r, 3, dst, ldy); break;
+                case 2: pair_pass(type, tile, tile_bytes, x, r, 2, dst, ldy); break;
+                default: pair_pass(type, tile, tile_bytes, x, r, 1, dst, ldy); break;
                 }
             }
             t++;
