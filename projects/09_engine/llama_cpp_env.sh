@@ -37,11 +37,12 @@ start=$SECONDS
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"; }
 # Build-time tools for the source build (scikit-build-core runs CMake; a system cmake >= 3.21 also works).
 pip_install --quiet --upgrade pip
-# A stamp for other flags means a rebuild, which pip skips while the same version is installed.
+# A stamp for other flags means a rebuild, which pip skips while the same version is installed; until it
+# is done no stamp says the environment is ready.
+rm -f "$VENV"/.installed-*
 "$VENV/bin/python" -m pip uninstall --yes --quiet llama-cpp-python 2>/dev/null || true
 CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} FORCE_CMAKE=1 \
   pip_install --no-cache-dir --no-binary llama-cpp-python -r "$REQUIREMENTS"
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
-rm -f "$VENV"/.installed-*
 touch "$STAMP"
 echo "== $VENV ready after $((SECONDS - start)) s"
