@@ -315,20 +315,21 @@ static int64_t tile_bytes_for(int type, int64_t nb) {
     return is_kquant(type) ? nb / 8 * kq_tile_block_bytes(type) : nb * tile_block_bytes(type);
 }
 
-/* One pass of a tile over MR rows of x, in the tile's format family. */
-static inline __attribute__((always_inline)) void rows_pass(int type, const uint8_t *tile, const QuantizedRows *x,
-                                                             int64_t r0, const int MR, float *out, int64_t ldo) {
-    if (is_kquant(type))
+/* One pass of a tile over MR rows of x, in the tile's format family (kq: a constant at every call site). */
+static inline __attribute__((always_inline)) void rows_pass(const int kq, int type, const uint8_t *tile,
+                                                             const QuantizedRows *x, int64_t r0, const int MR,
+                                                             float *out, int64_t ldo) {
+    if (kq)
         kq_tile_rows(type, tile, x, r0, MR, out, ldo);
     else
         tile_rows(type, tile, x, r0, MR, out, ldo);
 }
 
 #ifdef KL_PAIR_TILES
-static inline __attribute__((always_inline)) void pair_pass(int type, const uint8_t *tile, int64_t tile_bytes,
-                                                             const QuantizedRows *x, int64_t r0, const int MR,
-                                                             float *out, int64_t ldo) {
-    if (is_kquant(type))
+static inline __attribute__((always_inline)) void pair_pass(const int kq, int type, const uint8_t *tile,
+                                                             int64_t tile_bytes, const QuantizedRows *x, int64_t r0,
+                                                             const int MR, float *out, int64_t ldo) {
+    if (kq)
         kq_tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
     else
         tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
@@ -336,8 +337,10 @@ static inline __attribute__((always_inline)) void pair_pass(int type, const uint
 #endif
 
 /* Tiles [t0, t1) against every row of x; y has n valid columns. */
-static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x,
-                       int64_t m, int64_t t0, int64_t t1, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void gemm_tiles_of(const int kq, int type, const uint8_t *w,
+                                                                 int64_t tile_bytes, int64_t n, const QuantizedRows *x,
+                                                                 int64_t m, int64_t t0, int64_t t1, float *y,
+                                                                 int64_t ldy) {
     float out[TILE_M * TILE_N];
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = w + t * tile_bytes;
@@ -347,10 +350,10 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
             for (int64_t r = 0; r < m; r += PAIR_M) {
                 float *dst = y + r * ldy + n0;
                 switch (m - r < PAIR_M ? m - r : PAIR_M) {
-                case 4: pair_pass(type, tile, tile_bytes, x, r, 4, dst, ldy); break;
-                case 3: pair_pass(type, tile, tile_bytes, x, r, 3, dst, ldy); break;
-                case 2: pair_pass(type, tile, tile_bytes, x, r, 2, dst, ldy); break;
-                default: pair_pass(type, tile, tile_bytes, x, r, 1, dst, ldy); break;
+                case 4: pair_pass(kq, type, tile, tile_bytes, x, r, 4, dst, ldy); break;
+                case 3: pair_pass(kq, type, tile, tile_bytes, x, r, 3, dst, ldy); break;
+                case 2: pair_pass(kq, type, tile, tile_bytes, x, r, 2, dst, ldy); break;
+                default: pair_pass(kq, type, tile, tile_bytes, x, r, 1, dst, ldy); break;
                 }
             }
             t++;
@@ -364,15 +367,25 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
             float *dst = full ? y + r * ldy + n0 : out;
             const int64_t ld = full ? ldy : TILE_N;
             switch (mr) {
-            case 4: rows_pass(type, tile, x, r, 4, dst, ld); break;
-            case 3: rows_pass(type, tile, x, r, 3, dst, ld); break;
-            case 2: rows_pass(type, tile, x, r, 2, dst, ld); break;
-            default: rows_pass(type, tile, x, r, 1, dst, ld); break;
+            case 4: rows_pass(kq, type, tile, x, r, 4, dst, ld); break;
+            case 3: rows_pass(kq, type, tile, x, r, 3, dst, ld); break;
+            case 2: rows_pass(kq, type, tile, x, r, 2, dst, ld); break;
+            default: rows_pass(kq, type, tile, x, r, 1, dst, ld); break;
             }
             if (!full)
                 for (int64_t i = 0; i < mr; i++) memcpy(y + (r + i) * ldy + n0, out + i * TILE_N, sizeof(float) * (n - n0));
         }
     }
+}
+
+/* The format family is resolved here once, so the 32-weight formats' loop is compiled as if the K-quants did
+ * not exist (an A/B found a per-pass branch cost Q4_0 a few percent). */
+static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x, int64_t m,
+                       int64_t t0, int64_t t1, float *y, int64_t ldy) {
+    if (is_kquant(type))
+        gemm_tiles_of(1, type, w, tile_bytes, n, x, m, t0, t1, y, ldy);
+    else
+        gemm_tiles_of(0, type, w, tile_bytes, n, x, m, t0, t1, y, ldy);
 }
 
 /* ------------------------------------------------------------------------------------------- thread pool */
