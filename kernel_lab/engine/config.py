@@ -66,9 +66,9 @@ class EngineConfig:
     later, by the parts that can know them: `weights` by model_loader.load_model (the path taken) and
     `num_kv_blocks` by the ModelRunner (its default depends on the model's activations on CUDA).
 
-    `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0 blocks (CPU, float32 activations, the C kernel
-    of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto" (default) picks quantized
-    wherever it applies, the faster path in projects/09_engine's measurements."""
+    `weights`: "quantized" computes on a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks (CPU, float32
+    activations, the C kernel of ops/gguf_linear.py); "float32" on dequantized float32 copies; "auto"
+    (default) picks quantized wherever it applies, the faster path in projects/09_engine's measurements."""
 
     model: str | dict | None = _option(None, "Hugging Face directory or .gguf file (default: the bundled "
                                              "SmolLM2-135M-Instruct)")
@@ -98,7 +98,7 @@ class EngineConfig:
         if isinstance(self.model, dict):
             self.hf_config = self.model
         else:
-            self.model_dir = resolve_model_dir(self.model)
+            self.model_dir = resolve_model_dir(self.model, float_weights=False)  # a GGUF's tensors are read in place
             self.hf_config = load_config(self.model_dir)
         self.model_config = config = ModelConfig.from_hf(self.hf_config)
         self.model_name = _model_name(self.model, self.model_dir)

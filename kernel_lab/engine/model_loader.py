@@ -51,7 +51,8 @@ def _quantized_blocker(config: EngineConfig) -> str | None:
     if config.dtype != torch.float32:
         return f"it takes float32 activations and dtype is {str(config.dtype).replace('torch.', '')}"
     if not has_quantized_weights(config.model_dir):
-        return "the model has no Q4_0, Q4_1 or Q8_0 GGUF tensors (it must be loaded from such a .gguf file)"
+        return ("the model has no GGUF tensors in a block format the kernel computes on (Q4_0, Q4_1, Q8_0, Q4_K, "
+                "Q5_K, Q6_K; it must be loaded from such a .gguf file)")
     if not gguf_linear.kernel_available():
         return "the C kernel is unavailable (no C compiler, a failed build, or KERNEL_LAB_CPU_KERNELS=0)"
     return None

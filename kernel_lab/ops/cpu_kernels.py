@@ -166,6 +166,8 @@ _SIGNATURES = {
         # type, w, k, ids, count, out
         "kl_gguf_dequantize_rows": ([_int, _ptr, _i64, _ptr, _i64, _ptr], ctypes.c_int),
         "kl_gguf_isa": ([], ctypes.c_char_p),
+        # type, rows, n, k, tiles
+        "kl_gguf_pack": ([_int, _ptr, _i64, _i64, _ptr], ctypes.c_int),
     },
     "norm_activation": {
         # x, ldx, residual, ldr, weight, eps, out, ldo, residual_out, ldro, rows, h

@@ -1,18 +1,22 @@
-"""Linear layers on a GGUF's quantized weights, on the CPU: y = x @ W.T with W kept in its Q4_0, Q4_1 or Q8_0
-blocks (kernel: `kernel_lab/csrc/cpu/gguf_linear.c`; design and measurements: projects/09_engine/README.md).
+"""Linear layers on a GGUF's quantized weights, on the CPU: y = x @ W.T with W kept in its Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K or Q6_K blocks (kernel: `kernel_lab/csrc/cpu/gguf_linear.c` and `gguf_kquant_tiles.h`; design and
+measurements: projects/09_engine/README.md).
 
     w = QuantizedWeight(GGML_Q4_1, data, (n, k))   # data: uint8 [n, k / 32 * block bytes], the file's rows
     p = pack(w)                                    # the same bytes regrouped in tiles of 8 rows (at load)
     y = gguf_linear(x, p)                          # x: float32 [m, k] on CPU -> y: float32 [m, n]
 
 Block formats (32 weights each, fp16 scales): Q4_0 w = d (q - 8), q in 0..15; Q4_1 w = d q + m; Q8_0 w = d q,
-q in -128..127. Each row of x is quantized to int8 per block of 32 (d = amax / 127, q = round(x / d)) and
+q in -128..127. K-quants are super-blocks of 256 (layouts: gguf_kquant_tiles.h): Q4_K and Q5_K
+w = d sc q - dmin m per sub-block of 32 (6-bit sc, m; q in 0..15 or 0..31), Q6_K w = d sc (q - 32) per 16
+(int8 sc, q in 0..63). Each row of x is quantized to int8 per block of 32 (d = amax / 127, q = round(x / d)) and
 the block dot products are integer; `gguf_linear_reference` computes exactly that in float64, and
 `quantize_activations` is the torch form of the activation rounding, so both paths can be checked.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,15 +26,20 @@ from . import cpu_kernels
 from .common import check_out, check_tensor
 
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
-BLOCK = 32
-BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
-FORMAT_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+K_QUANTS = (GGML_Q4_K, GGML_Q5_K, GGML_Q6_K)
+BLOCK = 32     # weights per block of Q4_0/Q4_1/Q8_0, per sub-block of Q4_K/Q5_K, per activation block
+SUPER_BLOCK = 256
+BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34, GGML_Q4_K: 144, GGML_Q5_K: 176, GGML_Q6_K: 210}
+BLOCK_WEIGHTS = {t: SUPER_BLOCK if t in K_QUANTS else BLOCK for t in BLOCK_BYTES}
+FORMAT_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0", GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K",
+                GGML_Q6_K: "Q6_K"}
 FORMATS = {name: t for t, name in FORMAT_NAMES.items()}
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight [n, k] as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes], on CPU."""
+    """A weight [n, k] as rows of GGUF blocks: `data` is uint8 [n, k / block weights * block bytes], on CPU."""
 
     ggml_type: int
     data: torch.Tensor
@@ -38,12 +47,13 @@ class QuantizedWeight:
 
     def __post_init__(self):
         if self.ggml_type not in BLOCK_BYTES:
-            raise ValueError(f"ggml_type must be one of {FORMATS} (Q4_0, Q4_1, Q8_0), got {self.ggml_type!r}")
+            raise ValueError(f"ggml_type must be one of {FORMATS}, got {self.ggml_type!r}")
         n, k = self.shape
-        if n < 1 or k < BLOCK or k % BLOCK:
-            raise ValueError(f"shape must be (n >= 1, k a multiple of {BLOCK}), got {self.shape}")
+        block = BLOCK_WEIGHTS[self.ggml_type]
+        if n < 1 or k < block or k % block:
+            raise ValueError(f"shape must be (n >= 1, k a multiple of {block}) for {self.format}, got {self.shape}")
         check_tensor("data", self.data, dtypes=(torch.uint8,), ndim=2)
-        expected = (n, k // BLOCK * BLOCK_BYTES[self.ggml_type])
+        expected = (n, k // block * BLOCK_BYTES[self.ggml_type])
         if tuple(self.data.shape) != expected:
             raise ValueError(f"data must have shape {expected} for a {self.format} weight of shape {self.shape}, "
                              f"got {tuple(self.data.shape)}")
@@ -69,6 +79,9 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [n, k] the blocks encode (computed in torch; the reference's weights)."""
         n, k = self.shape
+        if self.ggml_type in K_QUANTS:
+            scaled, mins = _kquant_parts(self)
+            return (scaled - mins.repeat_interleave(BLOCK, dim=1)).float()
         blocks = self.data.view(n, k // BLOCK, BLOCK_BYTES[self.ggml_type])
         d = blocks[..., 0:2].contiguous().view(torch.float16).float()          # [n, nb, 1]
         if self.ggml_type == GGML_Q8_0:
@@ -105,6 +118,8 @@ class PackedWeight:
 
     def unpack(self) -> QuantizedWeight:
         n, k = self.shape
+        if self.ggml_type in K_QUANTS:
+            return _kquant_unpack(self)
         nb, bb = k // BLOCK, BLOCK_BYTES[self.ggml_type]
         t = self.tiles.view(-1, nb, TILE_ROWS * bb)
         scales = 32 if self.ggml_type == GGML_Q4_1 else 16
@@ -118,9 +133,53 @@ class PackedWeight:
         return QuantizedWeight(self.ggml_type, rows[:n].contiguous(), self.shape)
 
 
-def pack(weight: QuantizedWeight) -> PackedWeight:
-    """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load)."""
+@dataclass(frozen=True)
+class PackedStack:
+    """Row-stacked weights of different formats, one output: a Q4_K_M file's q|k|v or gate|up where v or
+    one of the pair is Q6_K. Each part is computed into its columns of y. The parts' tiles are views of
+    one buffer, `tiles`, so the stack is one allocation like a PackedWeight."""
+
+    parts: tuple[PackedWeight, ...]
+    tiles: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    @property
+    def format(self) -> str:
+        return "+".join(p.format for p in self.parts)
+
+
+def stack(parts: list[PackedWeight]) -> PackedStack:
+    """The rows of `parts` (one width, any formats) as one layer's weight."""
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("only weights of one width can be stacked")
+    tiles = torch.cat([p.tiles.reshape(-1) for p in parts])
+    views, start = [], 0
+    for p in parts:
+        views.append(PackedWeight(p.ggml_type, tiles[start:start + p.tiles.numel()].view(p.tiles.shape), p.shape))
+        start += p.tiles.numel()
+    return PackedStack(tuple(views), tiles, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
+    """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load): by the C packer where
+    the library loads (a 1B model in about a second), else by these torch gathers (tens of seconds at
+    that size); the tests hold the two to the same bytes."""
     _check_weight(weight)
+    lib = _library() if use_kernel else None
+    if lib is not None:
+        n, k = weight.shape
+        widened = BLOCK_BYTES[weight.ggml_type] + _WIDE_EXTRA.get(weight.ggml_type, 0)
+        tiles = torch.empty(-(-n // TILE_ROWS), k // BLOCK_WEIGHTS[weight.ggml_type] * TILE_ROWS * widened,
+                            dtype=torch.uint8)
+        if lib.kl_gguf_pack(weight.ggml_type, weight.data.data_ptr(), n, k, tiles.data_ptr()) != 0:
+            raise RuntimeError("kl_gguf_pack failed")
+        return PackedWeight(weight.ggml_type, tiles, weight.shape)
+    if weight.ggml_type in K_QUANTS:
+        return _kquant_pack(weight)
     n, k = weight.shape
     nb, bb = k // BLOCK, BLOCK_BYTES[weight.ggml_type]
     padded = -(-n // TILE_ROWS) * TILE_ROWS
@@ -156,6 +215,12 @@ def gguf_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
     n, k = weight.shape
     nb = k // BLOCK
     q, d, s = quantize_activations(x)
+    if weight.ggml_type in K_QUANTS:
+        # w = scaled - min per 32 (Q6_K: min 0), so sum_j w_j x_j d_x = d_x (scaled . q) - min s_x, as the kernel
+        # splits it; every product below is exact in float64 but for the last bits of d_x * scaled.
+        scaled, mins = _kquant_parts(weight)
+        dequantized_x = (q.double().view(-1, nb, BLOCK) * d.double()[..., None]).view(-1, k)
+        return dequantized_x @ scaled.T - s.double() @ mins.T
     blocks = weight.data.view(n, nb, BLOCK_BYTES[weight.ggml_type])
     wd = blocks[..., 0:2].contiguous().view(torch.float16).double()[..., 0]   # [n, nb]
     if weight.ggml_type == GGML_Q8_0:
@@ -214,7 +279,8 @@ def _check_weight(weight, packed_ok: bool = False) -> None:
 
 
 def _check_arguments(x, weight, bias, out) -> None:
-    _check_weight(weight, packed_ok=True)
+    if not isinstance(weight, PackedStack):
+        _check_weight(weight, packed_ok=True)
     check_tensor("x", x, dtypes=(torch.float32,), ndim=2)
     n, k = weight.shape
     m = x.shape[0]
@@ -231,7 +297,7 @@ def _check_arguments(x, weight, bias, out) -> None:
         raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
 
 
-def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: torch.Tensor | None = None,
+def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight | PackedStack, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, threads: int | None = None, validate: bool = True) -> torch.Tensor:
     """y [m, n] = x [m, k] @ W.T (+ bias), W in GGUF blocks. x: float32 on CPU, stride 1 in its last dim.
     `threads` defaults to the count of an enclosing `kernel_threads` block, else torch's intra-op thread
@@ -246,6 +312,12 @@ def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight, bias: t
     if x.stride(-1) != 1 and k > 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    if isinstance(weight, PackedStack):
+        start = 0
+        for part in weight.parts:
+            gguf_linear(x, part, out=y[:, start:start + part.shape[0]], threads=threads, validate=False)
+            start += part.shape[0]
+        return y if bias is None else y.add_(bias)
     lib = _library()
     if lib is None:
         y.copy_(gguf_linear_reference(x, weight.unpack() if isinstance(weight, PackedWeight) else weight))
@@ -279,3 +351,110 @@ def dequantize_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
                                    out.data_ptr()) != 0:
         raise RuntimeError("kl_gguf_dequantize_rows failed")
     return out
+
+
+# ------------------------------------------------------------------------------------------------ K-quants
+def _kquant_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and mins, uint8 [..., 8] each."""
+    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def _kquant_pack_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The inverse of _kquant_scales_mins (a bijection: each of the 96 bits is used once)."""
+    return torch.cat([(scales[..., :4] & 0x3F) | ((scales[..., 4:] >> 4) << 6),
+                      (mins[..., :4] & 0x3F) | ((mins[..., 4:] >> 4) << 6),
+                      (scales[..., 4:] & 0x0F) | ((mins[..., 4:] & 0x0F) << 4)], dim=-1)
+
+
+def _kquant_parts(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaled float64 [n, k], mins float64 [n, k / 32]) with w = scaled - min of the weight's 32-block:
+    Q4_K/Q5_K scaled = d sc q and min = dmin m; Q6_K scaled = d sc (q - 32) and min = 0. Exact in float64."""
+    n, k = weight.shape
+    sbs = k // SUPER_BLOCK
+    blocks = weight.data.view(n, sbs, BLOCK_BYTES[weight.ggml_type])
+
+    def half(lo):
+        return blocks[..., lo:lo + 2].contiguous().view(torch.float16).double()    # [n, sbs, 1]
+
+    if weight.ggml_type == GGML_Q6_K:
+        ql, qh = blocks[..., 0:128].reshape(n, sbs, 2, 64), blocks[..., 128:192].reshape(n, sbs, 2, 1, 32)
+        low = torch.stack([ql & 0x0F, ql >> 4], dim=-2).reshape(n, sbs, 2, 4, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 0x03
+        codes = (low | (high << 4)).reshape(n, sbs, 16, 16).double() - 32.0
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).double()       # [n, sbs, 16]
+        scaled = half(208)[..., None] * scales[..., None] * codes
+        return scaled.reshape(n, k), torch.zeros(n, k // BLOCK, dtype=torch.float64)
+    scales, mins = _kquant_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., -128:].reshape(n, sbs, 4, 1, 32)
+    codes = ((qs >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F).reshape(n, sbs, 8, 32)
+    if weight.ggml_type == GGML_Q5_K:
+        qh = blocks[..., 16:48].reshape(n, sbs, 1, 32)
+        codes = codes | (((qh >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4)
+    scaled = (half(0) * scales.double())[..., None] * codes.double()
+    return scaled.reshape(n, k), (half(2) * mins.double()).reshape(n, k // BLOCK)
+
+
+# A K-quant block with its 6-bit scales and mins widened to a byte each (Q4_K, Q5_K): d, dmin, sc[8], m[8], rest.
+_WIDE_EXTRA = {GGML_Q4_K: 4, GGML_Q5_K: 4, GGML_Q6_K: 0}
+
+
+def _widen(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    if not _WIDE_EXTRA[ggml_type]:
+        return blocks
+    return torch.cat([blocks[..., 0:4], *_kquant_scales_mins(blocks[..., 4:16]), blocks[..., 16:]], dim=-1)
+
+
+def _narrow(wide: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    if not _WIDE_EXTRA[ggml_type]:
+        return wide
+    return torch.cat([wide[..., 0:4], _kquant_pack_scales_mins(wide[..., 4:12], wide[..., 12:20]), wide[..., 20:]],
+                     dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _kquant_tile_order(ggml_type: int) -> torch.Tensor:
+    """For each byte of a tile super-block (gguf_kquant_tiles.h's layout), its index in the 8 rows' widened
+    blocks [8, wide bytes] flattened: the tile is that gather, and unpacking its inverse."""
+    wide = BLOCK_BYTES[ggml_type] + _WIDE_EXTRA[ggml_type]
+    rows = range(TILE_ROWS)
+
+    def vectors(start):  # 8 vectors of 32 B: vector v, lane i = bytes start + 4v .. start + 4v + 3 of row i
+        return [(i, start + 4 * v + e) for v in range(8) for i in rows for e in range(4)]
+
+    if ggml_type == GGML_Q6_K:
+        order = [(i, 208 + e) for i in rows for e in range(2)]
+        order += [(i, 192 + s) for s in range(16) for i in rows]
+        order += [p for h in range(2) for c in range(2) for p in vectors(64 * h + 32 * c)]
+        order += [p for h in range(2) for p in vectors(128 + 32 * h)]
+    else:
+        order = [(i, 0 + e) for i in rows for e in range(2)] + [(i, 2 + e) for i in rows for e in range(2)]
+        order += [(i, 4 + s) for s in range(8) for i in rows] + [(i, 12 + s) for s in range(8) for i in rows]
+        if ggml_type == GGML_Q5_K:
+            order += vectors(20)
+        order += [p for g in range(4) for p in vectors(wide - 128 + 32 * g)]
+    index = torch.tensor([i * wide + byte for i, byte in order])
+    assert sorted(index.tolist()) == list(range(TILE_ROWS * wide)), "the tile layout must be a permutation"
+    return index
+
+
+def _kquant_pack(weight: QuantizedWeight) -> PackedWeight:
+    n, k = weight.shape
+    sbs, ggml_type = k // SUPER_BLOCK, weight.ggml_type
+    padded = -(-n // TILE_ROWS) * TILE_ROWS
+    blocks = torch.zeros(padded, sbs, BLOCK_BYTES[ggml_type], dtype=torch.uint8)
+    blocks[:n] = weight.data.view(n, sbs, -1)
+    wide = _widen(blocks, ggml_type).view(padded // TILE_ROWS, TILE_ROWS, sbs, -1).permute(0, 2, 1, 3)
+    tiles = wide.reshape(padded // TILE_ROWS, sbs, -1)[..., _kquant_tile_order(ggml_type)]
+    return PackedWeight(ggml_type, tiles.reshape(padded // TILE_ROWS, -1).contiguous(), weight.shape)
+
+
+def _kquant_unpack(packed: PackedWeight) -> QuantizedWeight:
+    n, k = packed.shape
+    sbs, ggml_type = k // SUPER_BLOCK, packed.ggml_type
+    tiles = packed.tiles.view(-1, sbs, packed.tiles.shape[1] // sbs)
+    wide = tiles[..., torch.argsort(_kquant_tile_order(ggml_type))].view(-1, sbs, TILE_ROWS, tiles.shape[-1] // 8)
+    rows = _narrow(wide.permute(0, 2, 1, 3), ggml_type).reshape(-1, sbs * BLOCK_BYTES[ggml_type])
+    return QuantizedWeight(ggml_type, rows[:n].contiguous(), packed.shape)

@@ -59,3 +59,16 @@ def one_cpu_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def make_gguf():
+    """make_1b_gguf.py as a module: random Llama GGUFs (F16, random blocks of any kernel format, or
+    quantized by llama.cpp where .venv-llamacpp exists)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_1b_gguf", Path(__file__).parent / "make_1b_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,9 +1,13 @@
-"""The quantized CPU linear layer (kernel_lab/ops/gguf_linear.py, kernel_lab/csrc/cpu/gguf_linear.c).
+"""The quantized CPU linear layer (kernel_lab/ops/gguf_linear.py, kernel_lab/csrc/cpu/gguf_linear.c and
+gguf_kquant_tiles.h), for Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
 
 - The C kernel against `gguf_linear_reference` (the same int8 activations, exact integer block dots, float64
   scales): equal up to float32 summation, for every format, odd shapes, strided inputs, poisoned outputs.
 - Against float64 x @ W.T on the dequantized weights, within the bound the activation rounding implies:
-  |error| <= sum over blocks of (amax_block(x) / 254) * sum_block |W| (plus float32 summation).
+  |error| <= sum over blocks of (amax_block(x) / 254) * sum_block |W| (plus float32 summation). The bound is
+  the same for every format, K-quants included: their weights enter exactly (the kernel splits each 32-block
+  into d sc q and dmin m, or d sc (q - 32), in exact integer and float products), and x is rounded per 32 as
+  for the others. The K-quant decoding (and so W) is checked against the gguf package's dequantizers.
 - Every ISA variant this CPU can run (AVX-512 VNNI, AVX-VNNI, AVX2, scalar C) built and compared, and the
   default build holds the instructions its path relies on.
 - The thread pool splits rows without changing a bit, call after call; the 8-row packing is lossless; the
@@ -25,34 +29,55 @@ from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import (
     BLOCK,
     BLOCK_BYTES,
+    BLOCK_WEIGHTS,
     FORMATS,
     GGML_Q4_1,
+    GGML_Q4_K,
+    GGML_Q6_K,
     GGML_Q8_0,
+    K_QUANTS,
     QuantizedWeight,
+    _kquant_parts,
     dequantize_rows,
     gguf_linear,
     gguf_linear_reference,
     kernel_isa,
     pack,
     quantize_activations,
+    stack,
 )
 
 EPS32 = 2.0 ** -23
 SHAPES = [  # (rows of x, out features, in features): tile edges (8), partial tiles, TILE_M edges (4)
     (1, 8, 32), (2, 7, 64), (3, 37, 96), (4, 264, 576), (5, 1, 32), (9, 129, 1536), (33, 40, 160),
 ]
+BLOCK_FORMATS = sorted(f for f, t in FORMATS.items() if t not in K_QUANTS)  # 32-weight blocks
+K_FORMATS = sorted(f for f, t in FORMATS.items() if t in K_QUANTS)
+
+
+def width(fmt: str, k: int) -> int:
+    """k rounded up to the format's block (K-quants: 256; so SHAPES give 256, 512, 768, 1536 for them)."""
+    block = BLOCK_WEIGHTS[FORMATS[fmt]]
+    return -(-k // block) * block
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
     """Every quant bit pattern occurs; scales are random fp16 of both signs (llama.cpp's Q4_0 and Q8_0
-    scales are negative when a block's largest magnitude is negative), Q4_1 minimums likewise."""
+    scales are negative when a block's largest magnitude is negative), Q4_1 minimums likewise. K-quants:
+    every 6-bit scale and min (Q4_K, Q5_K) and int8 scale (Q6_K) occurs; d and dmin are random fp16."""
     ggml_type, g = FORMATS[fmt], generator(seed)
-    nb, bb = k // BLOCK, BLOCK_BYTES[FORMATS[fmt]]
+    nb, bb = k // BLOCK_WEIGHTS[ggml_type], BLOCK_BYTES[ggml_type]
     data = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
     sign = torch.where(torch.rand(n, nb, 1, generator=g) < 0.3, -1.0, 1.0)
-    data[..., 0:2] = (sign * (0.002 + 0.03 * torch.rand(n, nb, 1, generator=g))).half().view(torch.uint8)
+    scale = 0.002 + 0.03 * torch.rand(n, nb, 1, generator=g)
+    if ggml_type in K_QUANTS:
+        scale = scale / 32  # the scales multiply it (up to 63, or 127 for Q6_K)
+    d_at = 208 if ggml_type == GGML_Q6_K else 0
+    data[..., d_at:d_at + 2] = (sign * scale).half().view(torch.uint8)
     if ggml_type == GGML_Q4_1:
         data[..., 2:4] = (0.2 * torch.rand(n, nb, 1, generator=g) - 0.15).half().view(torch.uint8)
+    if ggml_type in (GGML_Q4_K, FORMATS["Q5_K"]):  # dmin
+        data[..., 2:4] = (0.01 * torch.rand(n, nb, 1, generator=g) - 0.003).half().view(torch.uint8)
     return QuantizedWeight(ggml_type, data.view(n, nb * bb), (n, k))
 
 
@@ -63,7 +88,13 @@ def random_x(m: int, k: int, seed: int, strided: bool = False) -> torch.Tensor:
 
 
 def summation_tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """Float32 rounding allowance of the kernel's block sums: (blocks + 4) ulps of sum |terms|."""
+    """Float32 rounding allowance of the kernel's block sums: (blocks + 4) ulps of sum |terms|. The K-quants'
+    terms are the two parts the kernel sums, d sc q x and dmin m s_x, each larger than w x can be."""
+    if weight.ggml_type in K_QUANTS:
+        scaled, mins = _kquant_parts(weight)
+        sums = x.double().abs().reshape(x.shape[0], -1, BLOCK).sum(-1)           # >= |s_x| / 1.01
+        magnitude = (x.double().abs() * 1.01) @ scaled.abs().T + (sums * 1.01) @ mins.abs().T
+        return (weight.shape[1] // BLOCK + 4) * EPS32 * magnitude + 1e-30
     magnitude = (x.double().abs() * 1.01) @ weight.dequantize().double().abs().T
     return (weight.shape[1] // BLOCK + 4) * EPS32 * magnitude + 1e-30
 
@@ -100,6 +131,7 @@ def library():
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_kernel_matches_the_exact_reference(library, fmt, m, n, k):
+    k = width(fmt, k)
     seed = case_seed("gguf-exact", fmt, m, n, k)
     weight = random_weight(fmt, n, k, seed)
     x = random_x(m, k, seed + 1, strided=m % 2 == 1)
@@ -116,6 +148,7 @@ def test_kernel_vs_float64_on_the_dequantized_weights(library, fmt, m, n, k):
     """The stated per-format bound: activation rounding, and nothing else, separates the kernel from
     float64 x @ W.T on the very weights the blocks encode. The bound is not loose: the error reaches a
     visible fraction of it (a test that cannot fail is a defect)."""
+    k = width(fmt, k)
     seed = case_seed("gguf-f64", fmt, m, n, k)
     weight = random_weight(fmt, n, k, seed)
     x = random_x(m, k, seed + 1)
@@ -170,7 +203,7 @@ def test_every_isa_path_this_cpu_runs(library, extra_flags, expected):
     assert isa == expected
     for fmt in sorted(FORMATS):
         seed = case_seed("gguf-isa", extra_flags, fmt)
-        weight, x = random_weight(fmt, 37, 96, seed), random_x(5, 96, seed + 1)
+        weight, x = random_weight(fmt, 37, width(fmt, 96), seed), random_x(5, width(fmt, 96), seed + 1)
         y = run_kernel(lib, x, weight)
         tol = summation_tolerance(x, weight)
         assert bool(((y.double() - gguf_linear_reference(x, weight)).abs() <= tol).all()), (isa, fmt)
@@ -188,6 +221,7 @@ def test_tile_pairs_compute_the_same_bits_as_single_tiles(library):
     assert single is not None and single.kl_gguf_isa().decode() == "avx512vnni"
     for fmt in sorted(FORMATS):
         for m, n, k in [(5, 16, 64), (9, 129, 96), (33, 40, 160), (64, 264, 576)]:
+            k = width(fmt, k)
             seed = case_seed("gguf-pairs", fmt, m, n, k)
             weight, x = random_weight(fmt, n, k, seed), random_x(m, k, seed + 1)
             paired = run_kernel(library, x, weight)
@@ -219,10 +253,10 @@ def test_threads_split_rows_without_changing_a_bit(library):
     """Many calls with 1, 2 and 3 threads (the pool wakes, splits tiles, and sleeps between calls, including
     calls too small to split) give identical outputs."""
     for call in range(60):
-        fmt = sorted(FORMATS)[call % 3]
-        n = (264, 40, 1030)[call % 3]
+        fmt = sorted(FORMATS)[call % len(FORMATS)]
+        n, k = (264, 40, 1030)[call % 3], width(fmt, 64)
         seed = case_seed("gguf-threads", call)
-        weight, x = random_weight(fmt, n, 64, seed), random_x(1 + call % 6, 64, seed + 1)
+        weight, x = random_weight(fmt, n, k, seed), random_x(1 + call % 6, k, seed + 1)
         packed = pack(weight)
         single = gguf_linear(x, packed, threads=1)
         assert torch.equal(gguf_linear(x, packed, threads=2 + call % 2), single), call
@@ -230,12 +264,32 @@ def test_threads_split_rows_without_changing_a_bit(library):
 
 def test_packing_is_lossless_and_embedding_rows_decode(library):
     for fmt in sorted(FORMATS):
-        weight = random_weight(fmt, 21, 96, case_seed("gguf-pack", fmt))
+        weight = random_weight(fmt, 21, width(fmt, 96), case_seed("gguf-pack", fmt))
         packed = pack(weight)
-        assert packed.tiles.shape[0] == 3 and packed.nbytes == 24 * weight.nbytes // 21
+        padded = 24 * weight.nbytes // 21  # 3 tiles of 8 rows; Q4_K/Q5_K widen their 6-bit scales to bytes
+        widened = {"Q4_K": 1184 / 1152, "Q5_K": 1440 / 1408}.get(fmt, 1.0)
+        assert packed.tiles.shape[0] == 3 and packed.nbytes == round(padded * widened)
+        assert torch.equal(packed.tiles, pack(weight, use_kernel=False).tiles), "the C and torch packers differ"
         assert torch.equal(packed.unpack().data, weight.data)
         ids = torch.tensor([0, 20, 7, 8, 7])
         assert torch.equal(dequantize_rows(packed, ids), weight.dequantize()[ids])
+
+
+def test_a_stack_of_formats_computes_each_part_into_its_columns(library):
+    """Q4_K_M's q|k|v with v in Q6_K: one PackedStack, whose output is each part's own output side by side
+    (bit for bit), bias included, every column written."""
+    seed = case_seed("gguf-stack")
+    parts = [random_weight(fmt, n, 512, seed + i) for i, (fmt, n) in enumerate([("Q4_K", 24), ("Q4_K", 13),
+                                                                                 ("Q6_K", 13)])]
+    x, bias = random_x(5, 512, seed + 9), torch.randn(50, generator=generator(seed + 10))
+    stacked = stack([pack(p) for p in parts])
+    assert stacked.shape == (50, 512) and stacked.format == "Q4_K+Q4_K+Q6_K"
+    assert stacked.nbytes == sum(pack(p).nbytes for p in parts)
+    y = gguf_linear(x, stacked, bias=bias, out=poison(torch.empty(5, 50)))
+    expected = torch.cat([gguf_linear(x, pack(p)) for p in parts], dim=1) + bias
+    assert torch.equal(y, expected)
+    with pytest.raises(ValueError, match="one width"):
+        stack([pack(parts[0]), pack(random_weight("Q6_K", 8, 256, seed))])
 
 
 def test_block_decoding_matches_the_gguf_package():
@@ -244,15 +298,17 @@ def test_block_decoding_matches_the_gguf_package():
     from gguf import GGMLQuantizationType
 
     for fmt in sorted(FORMATS):
-        weight = random_weight(fmt, 5, 64, case_seed("gguf-decode", fmt))
+        k = width(fmt, 512)
+        weight = random_weight(fmt, 5, k, case_seed("gguf-decode", fmt))
         theirs = quants.dequantize(weight.data.numpy(), GGMLQuantizationType[fmt])
-        assert torch.equal(weight.dequantize(), torch.from_numpy(theirs).float().reshape(5, 64)), fmt
+        assert torch.equal(weight.dequantize(), torch.from_numpy(theirs).float().reshape(5, k)), fmt
 
 
-def test_without_the_kernel_the_reference_runs(monkeypatch):
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_K"])
+def test_without_the_kernel_the_reference_runs(monkeypatch, fmt):
     monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")
-    weight = random_weight("Q8_0", 9, 64, case_seed("gguf-off"))
-    x = random_x(3, 64, case_seed("gguf-off", 1))
+    weight = random_weight(fmt, 9, width(fmt, 64), case_seed("gguf-off", fmt))
+    x = random_x(3, weight.shape[1], case_seed("gguf-off", 1))
     assert torch.equal(gguf_linear(x, weight).double(), gguf_linear_reference(x, weight).float().double())
     ids = torch.tensor([8, 0])
     assert torch.equal(dequantize_rows(weight, ids), weight.dequantize()[ids])
@@ -274,6 +330,7 @@ def test_bad_inputs_name_the_argument():
         (lambda: QuantizedWeight(GGML_Q4_1, weight.data, (16, 80)), ValueError, "shape must be"),
         (lambda: QuantizedWeight(GGML_Q8_0, weight.data, (16, 64)), ValueError, "data must have shape"),
         (lambda: QuantizedWeight(GGML_Q4_1, weight.data.char(), (16, 64)), TypeError, "data must have dtype"),
+        (lambda: QuantizedWeight(GGML_Q4_K, weight.data, (16, 64)), ValueError, "k a multiple of 256"),
         (lambda: dequantize_rows(weight, torch.tensor([3, 16])), ValueError, r"ids must lie in \[0, 16\)"),
         (lambda: dequantize_rows(weight, torch.tensor([0.0])), TypeError, "ids must have dtype"),
     ]
@@ -295,3 +352,30 @@ def test_kernel_threads_gives_the_cores_to_the_kernel_and_restores_torch(library
             assert torch.equal(gguf_linear(x, weight), expected)
             raise RuntimeError("inside")
     assert torch.get_num_threads() == before and module._step_threads is None
+
+
+# ------------------------------------------------------------------------------- llama.cpp's own K-quants
+def test_llama_cpp_quantized_k_blocks_through_the_kernel(library, make_gguf, tmp_path):
+    """The K-quant blocks llama.cpp's quantizer writes (a tiny Q4_K_M of make_1b_gguf.py: Q4_K with Q6_K for
+    some v, down and the lm_head) decode as the gguf package decodes them, and the kernel on them stays within
+    the stated bound of float64 x @ W.T. Needs .venv-llamacpp (`make llama-cpp-env`), which CI does not build."""
+    make = make_gguf
+    if not make.llama_cpp_ready():
+        pytest.skip("no .venv-llamacpp (make llama-cpp-env): llama.cpp's quantizer is not here")
+    gguf = pytest.importorskip("gguf")
+    path = make.build("tiny", ["Q4_K_M"], out=tmp_path, log=lambda *_: None)["Q4_K_M"]
+    seen = set()
+    for tensor in gguf.GGUFReader(path).tensors:
+        fmt = tensor.tensor_type.name
+        if fmt not in K_FORMATS or (fmt, tensor.name.split(".")[-2]) in seen:
+            continue
+        seen.add((fmt, tensor.name.split(".")[-2]))
+        n, k = (int(d) for d in reversed(tensor.shape))
+        weight = QuantizedWeight(FORMATS[fmt], torch.from_numpy(tensor.data.copy()).view(torch.uint8).view(n, -1),
+                                 (n, k))
+        theirs = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).float().reshape(n, k)
+        assert torch.equal(weight.dequantize(), theirs), tensor.name
+        x = random_x(3, k, case_seed("llama.cpp-k", tensor.name))
+        error = (gguf_linear(x, pack(weight)).double() - x.double() @ theirs.double().T).abs()
+        assert bool((error <= activation_rounding_bound(x, weight) + summation_tolerance(x, weight)).all())
+    assert {f for f, _ in seen} == {"Q4_K", "Q6_K"}

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
 from kernel_lab.ops.gguf_linear import kernel_available
@@ -146,3 +147,84 @@ def test_the_one_call_layer_attention_is_the_separate_ops(monkeypatch):
         top = sorted(b, key=b.get, reverse=True)[:5]
         assert sorted(a, key=a.get, reverse=True)[:5] == top
         assert max(abs(a[t] - b[t]) for t in top) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------- K-quant files
+K_QUANT_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+               "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # like Q4_K_M, plus Q5_K
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory, make_gguf):
+    """A tiny Llama GGUF (make_1b_gguf.py's `tiny` shape, the bundled tokenizer) whose matrices are random
+    K-quant blocks laid out as llama.cpp's Q4_K_M lays them out: v and down in Q6_K beside Q4_K, lm_head Q6_K."""
+    return make_gguf.write_random(tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf", "tiny", K_QUANT_MIX)
+
+
+def test_k_quant_files_run_on_their_blocks(k_quant_file):
+    """Every projection, the embedding and the untied lm_head compute on the K-quant blocks (a q|k|v whose v is
+    Q6_K beside Q4_K stacks both formats instead of falling back to float32), and the logits stay near the
+    float32 path on the same weights."""
+    from kernel_lab.models.llama import Linear, QuantizedLinear
+    from kernel_lab.ops.gguf_linear import PackedStack
+
+    engine = LLMEngine(str(k_quant_file), weights="quantized", **KWARGS)
+    model = engine.runner.model
+    assert not any(isinstance(m, Linear) for m in model.modules()), "a projection fell back to float32"
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_proj.packed, PackedStack) and layer.qkv_proj.packed.format == "Q4_K+Q4_K+Q6_K"
+    assert layer.o_proj.packed.format == "Q5_K" and layer.down_proj.packed.format == "Q6_K"
+    assert model.embed.packed.format == "Q4_K" and isinstance(model.lm_head, QuantizedLinear)
+    assert model.lm_head.packed.format == "Q6_K"
+    q_rows = _first_logprobs(engine, PROMPTS[:4])
+    f_rows = _first_logprobs(LLMEngine(str(k_quant_file), weights="float32", **KWARGS), PROMPTS[:4])
+    worst = max(abs(q[t] - f[t]) for q, f in zip(q_rows, f_rows, strict=True) for t in f if t in q)
+    assert 1e-4 < worst <= LOGPROB_BOUND
+
+
+def test_gguf_files_load_in_place_without_a_float32_export(k_quant_file, make_gguf, caplog):
+    """The engine's directory for a GGUF holds no weights (config, tokenizer, a marker naming the file): the
+    blocks come from the file's memory map, so resident weights stay near the file's tensor bytes (the
+    K-quant tiles widen Q4_K/Q5_K's 6-bit scales: +2.8%). A matrix in a format without a kernel (Q5_0 and
+    F16 here) is dequantized alone, with a log line naming it."""
+    import logging
+
+    from kernel_lab.models.gguf import gguf_source, tensor_bytes
+    from kernel_lab.models.loader import resolve_model_dir
+
+    engine = LLMEngine(str(k_quant_file), weights="quantized", **KWARGS)
+    assert gguf_source(engine.model_dir) == k_quant_file.resolve()
+    assert not list(engine.model_dir.rglob("*.safetensors")), "the engine's GGUF directory must hold no weights"
+    assert engine.stats()["resident_weight_bytes"] <= 1.1 * tensor_bytes(k_quant_file)
+    assert list(resolve_model_dir(str(k_quant_file)).glob("*.safetensors")), "the full export stays available"
+
+    mixed = k_quant_file.with_name("fallback.gguf")
+    make_gguf.write_random(mixed, "tiny", {**K_QUANT_MIX, "attn_output": "Q5_0", "ffn_down": "F16"})
+    with caplog.at_level(logging.INFO, logger="kernel_lab.models.gguf"):
+        engine = LLMEngine(str(mixed), weights="quantized", **KWARGS)
+    logged = sorted(r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage())
+    assert len(logged) == 4 and any("blk.0.attn_output.weight (Q5_0)" in m for m in logged)
+    assert any("blk.1.ffn_down.weight (F16)" in m for m in logged)
+    layer = engine.runner.model.layers[0]
+    assert layer.qkv_proj.packed.format == "Q4_K+Q4_K+Q6_K" and layer.o_proj.weight.dtype == torch.float32
+
+
+def test_truncated_or_corrupt_gguf_files_fail_at_load_with_the_offset(k_quant_file, tmp_path):
+    from kernel_lab.models.gguf_file import GGUFFile
+
+    data = k_quant_file.read_bytes()
+    GGUFFile(k_quant_file)  # the intact file reads
+    name = b"blk.0.attn_q.weight"
+    type_at = data.index(name) + len(name) + 4 + 2 * 8  # after the rank and the two dimensions
+    cases = {
+        "truncated.gguf": (data[:-1000], r"tensor 'output.weight' at offset \d+ needs \d+ bytes but the file ends"),
+        "header.gguf": (data[:5000], r"truncated or corrupt: .* at offset \d+ needs"),
+        "magic.gguf": (b"GGML" + data[4:], "not a GGUF file"),
+        "type.gguf": (data[:type_at] + (99).to_bytes(4, "little") + data[type_at + 4:],
+                      "tensor 'blk.0.attn_q.weight' has an unknown ggml type 99"),
+    }
+    for file_name, (content, message) in cases.items():
+        path = tmp_path / file_name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            LLMEngine(str(path), weights="quantized", **KWARGS)

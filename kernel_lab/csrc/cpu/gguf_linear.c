@@ -1,4 +1,5 @@
-/* y = x @ W.T on the CPU, with W kept in the GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0).
+/* y = x @ W.T on the CPU, with W kept in the GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0 here; the K-quants
+ * Q4_K, Q5_K, Q6_K in gguf_kquant_tiles.h, through the same tiles, threads and entry points).
  *
  * Contract: kernel_lab/ops/gguf_linear.py. Plain C with no torch headers, built on first use with the system
  * compiler by kernel_lab/ops/cpu_kernels.py (-march=native) and called through ctypes.
@@ -126,6 +127,7 @@ typedef struct {
     const int8_t *q;   /* [m, k] */
     const float *d;    /* [m, nb] */
     const float *s;    /* [m, nb] */
+    const int32_t *sum16; /* [m, 2 nb]: int sums of q per 16 (Q6_K only, else NULL) */
     int64_t k, nb;
 } QuantizedRows;
 
@@ -306,9 +308,39 @@ static void tile_rows(int type, const uint8_t *tile, const QuantizedRows *x, int
 }
 #endif
 
+#include "gguf_kquant_tiles.h"
+
+/* Bytes of one tile (8 rows, k = 32 nb weights each). */
+static int64_t tile_bytes_for(int type, int64_t nb) {
+    return is_kquant(type) ? nb / 8 * kq_tile_block_bytes(type) : nb * tile_block_bytes(type);
+}
+
+/* One pass of a tile over MR rows of x, in the tile's format family (kq: a constant at every call site). */
+static inline __attribute__((always_inline)) void rows_pass(const int kq, int type, const uint8_t *tile,
+                                                             const QuantizedRows *x, int64_t r0, const int MR,
+                                                             float *out, int64_t ldo) {
+    if (kq)
+        kq_tile_rows(type, tile, x, r0, MR, out, ldo);
+    else
+        tile_rows(type, tile, x, r0, MR, out, ldo);
+}
+
+#ifdef KL_PAIR_TILES
+static inline __attribute__((always_inline)) void pair_pass(const int kq, int type, const uint8_t *tile,
+                                                             int64_t tile_bytes, const QuantizedRows *x, int64_t r0,
+                                                             const int MR, float *out, int64_t ldo) {
+    if (kq)
+        kq_tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
+    else
+        tile_pair_rows(type, tile, tile_bytes, x, r0, MR, out, ldo);
+}
+#endif
+
 /* Tiles [t0, t1) against every row of x; y has n valid columns. */
-static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x,
-                       int64_t m, int64_t t0, int64_t t1, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void gemm_tiles_of(const int kq, int type, const uint8_t *w,
+                                                                 int64_t tile_bytes, int64_t n, const QuantizedRows *x,
+                                                                 int64_t m, int64_t t0, int64_t t1, float *y,
+                                                                 int64_t ldy) {
     float out[TILE_M * TILE_N];
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = w + t * tile_bytes;
@@ -318,10 +350,10 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
             for (int64_t r = 0; r < m; r += PAIR_M) {
                 float *dst = y + r * ldy + n0;
                 switch (m - r < PAIR_M ? m - r : PAIR_M) {
-                case 4: tile_pair_rows(type, tile, tile_bytes, x, r, 4, dst, ldy); break;
-                case 3: tile_pair_rows(type, tile, tile_bytes, x, r, 3, dst, ldy); break;
-                case 2: tile_pair_rows(type, tile, tile_bytes, x, r, 2, dst, ldy); break;
-                default: tile_pair_rows(type, tile, tile_bytes, x, r, 1, dst, ldy); break;
+                case 4: pair_pass(kq, type, tile, tile_bytes, x, r, 4, dst, ldy); break;
+                case 3: pair_pass(kq, type, tile, tile_bytes, x, r, 3, dst, ldy); break;
+                case 2: pair_pass(kq, type, tile, tile_bytes, x, r, 2, dst, ldy); break;
+                default: pair_pass(kq, type, tile, tile_bytes, x, r, 1, dst, ldy); break;
                 }
             }
             t++;
@@ -335,15 +367,25 @@ static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n
             float *dst = full ? y + r * ldy + n0 : out;
             const int64_t ld = full ? ldy : TILE_N;
             switch (mr) {
-            case 4: tile_rows(type, tile, x, r, 4, dst, ld); break;
-            case 3: tile_rows(type, tile, x, r, 3, dst, ld); break;
-            case 2: tile_rows(type, tile, x, r, 2, dst, ld); break;
-            default: tile_rows(type, tile, x, r, 1, dst, ld); break;
+            case 4: rows_pass(kq, type, tile, x, r, 4, dst, ld); break;
+            case 3: rows_pass(kq, type, tile, x, r, 3, dst, ld); break;
+            case 2: rows_pass(kq, type, tile, x, r, 2, dst, ld); break;
+            default: rows_pass(kq, type, tile, x, r, 1, dst, ld); break;
             }
             if (!full)
                 for (int64_t i = 0; i < mr; i++) memcpy(y + (r + i) * ldy + n0, out + i * TILE_N, sizeof(float) * (n - n0));
         }
     }
+}
+
+/* The format family is resolved here once, so the 32-weight formats' loop is compiled as if the K-quants did
+ * not exist (an A/B found a per-pass branch cost Q4_0 a few percent). */
+static void gemm_tiles(int type, const uint8_t *w, int64_t tile_bytes, int64_t n, const QuantizedRows *x, int64_t m,
+                       int64_t t0, int64_t t1, float *y, int64_t ldy) {
+    if (is_kquant(type))
+        gemm_tiles_of(1, type, w, tile_bytes, n, x, m, t0, t1, y, ldy);
+    else
+        gemm_tiles_of(0, type, w, tile_bytes, n, x, m, t0, t1, y, ldy);
 }
 
 /* ------------------------------------------------------------------------------------------- thread pool */
@@ -446,12 +488,13 @@ static size_t scratch_bytes;
  * Returns 0, or -1 for an unsupported type or shape, -2 when scratch memory cannot be had. */
 int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx,
                    float *y, int64_t ldy, int threads) {
-    const int64_t tbb = tile_block_bytes(type);
-    if (tbb == 0 || k <= 0 || k % QK || n < 0 || m < 0) return -1;
+    const int kq = is_kquant(type);
+    if ((!kq && tile_block_bytes(type) == 0) || k <= 0 || k % (kq ? QK_K : QK) || n < 0 || m < 0) return -1;
     if (n == 0 || m == 0) return 0;
-    const int64_t nb = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
+    const int64_t nb = k / QK, tiles = (n + TILE_N - 1) / TILE_N, tile_bytes = tile_bytes_for(type, nb);
+    const int sums = type == GGML_Q6_K;
     pthread_mutex_lock(&call_lock);
-    const size_t need = (size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * nb) + 64;
+    const size_t need = (size_t)(m * k) + (2 + 2 * sums) * sizeof(float) * (size_t)(m * nb) + 64;
     if (need > scratch_bytes) {
         free(scratch);
         scratch = malloc(need);
@@ -459,9 +502,15 @@ int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float
         if (!scratch) { pthread_mutex_unlock(&call_lock); return -2; }
     }
     float *d = (float *)scratch, *s = d + m * nb;
-    int8_t *q = (int8_t *)(s + m * nb);
+    int32_t *sum16 = sums ? (int32_t *)(s + m * nb) : NULL;
+    int8_t *q = (int8_t *)(s + m * nb) + (sums ? 2 * sizeof(int32_t) * m * nb : 0);
     kl_gguf_quantize_activations(x, m, k, ldx, q, d, s);
-    const QuantizedRows rows = {q, d, s, k, nb};
+    for (int64_t h = 0; sums && h < 2 * m * nb; h++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) sum += q[16 * h + j];
+        sum16[h] = sum;
+    }
+    const QuantizedRows rows = {q, d, s, sum16, k, nb};
 
     /* A thread needs enough work to pay for waking it: at least 8 tiles (64 rows). */
     int parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
@@ -469,9 +518,9 @@ int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float
     if (parts > max_parts) parts = (int)max_parts;
     if (parts > 1) parts = ensure_workers(parts);
     if (parts == 1) {
-        gemm_tiles(type, w, nb * tbb, n, &rows, m, 0, tiles, y, ldy);
+        gemm_tiles(type, w, tile_bytes, n, &rows, m, 0, tiles, y, ldy);
     } else {
-        job = (Job){type, w, nb * tbb, n, tiles, m, ldy, &rows, y, parts};
+        job = (Job){type, w, tile_bytes, n, tiles, m, ldy, &rows, y, parts};
         atomic_store_explicit(&pending, parts - 1, memory_order_relaxed);
         atomic_store_explicit(&job_parts, parts, memory_order_relaxed);
         pthread_mutex_lock(&pool_lock);
@@ -489,6 +538,15 @@ int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float
 int kl_gguf_dequantize_rows(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
                             float *out) {
     const int64_t tbb = tile_block_bytes(type);
+    if (is_kquant(type)) {
+        if (k <= 0 || k % QK_K) return -1;
+        const int64_t nsb = k / QK_K, tsb = kq_tile_block_bytes(type);
+        for (int64_t c = 0; c < count; c++)
+            for (int64_t sb = 0; sb < nsb; sb++)
+                kq_dequantize_block(type, w + (ids[c] / TILE_N) * nsb * tsb + sb * tsb, (int)(ids[c] % TILE_N),
+                                    out + c * k + sb * QK_K);
+        return 0;
+    }
     if (tbb == 0 || k <= 0 || k % QK) return -1;
     const int64_t nb = k / QK;
     for (int64_t c = 0; c < count; c++) {
@@ -510,6 +568,40 @@ int kl_gguf_dequantize_rows(int type, const uint8_t *w, int64_t k, const int64_t
                     o[j] = type == GGML_Q4_1 ? d * (float)qv + half_to_float(halves[TILE_N + i])
                                              : d * (float)(qv - 8);
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* tiles [ceil(n / 8), tile bytes] = the weight's GGUF rows [n, k / block weights * block bytes] regrouped in
+ * 8-row tiles (the layouts above and in gguf_kquant_tiles.h; zero rows pad the last tile). The same bytes as
+ * ops/gguf_linear.py's torch `pack`, which the tests compare it with; this one is what a 1B-parameter load
+ * can afford (a second, where the torch gathers took tens). Returns 0, or -1 for a bad type or shape. */
+int kl_gguf_pack(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *tiles) {
+    if (n < 0 || k <= 0 || k % (is_kquant(type) ? QK_K : QK) || (!is_kquant(type) && tile_block_bytes(type) == 0))
+        return -1;
+    if (is_kquant(type)) {
+        kq_pack(type, rows, n, k, tiles);
+        return 0;
+    }
+    const int64_t nb = k / QK, tbb = tile_block_bytes(type), bb = tbb / TILE_N;
+    const int groups = type == GGML_Q8_0 ? 8 : 4, scales = type == GGML_Q4_1 ? 4 : 2;
+    for (int64_t t = 0; t < (n + TILE_N - 1) / TILE_N; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = tiles + (t * nb + b) * tbb;
+            for (int i = 0; i < TILE_N; i++) {
+                const int64_t r = t * TILE_N + i;
+                if (r >= n) { /* padding: d = 0, and zero quants */
+                    memset(dst + 2 * i, 0, 2);
+                    if (type == GGML_Q4_1) memset(dst + 16 + 2 * i, 0, 2);
+                    for (int g = 0; g < groups; g++) memset(dst + quants_offset(type) + 32 * g + 4 * i, 0, 4);
+                    continue;
+                }
+                const uint8_t *src = rows + (r * nb + b) * bb;
+                memcpy(dst + 2 * i, src, 2);
+                if (type == GGML_Q4_1) memcpy(dst + 16 + 2 * i, src + 2, 2);
+                for (int g = 0; g < groups; g++) memcpy(dst + quants_offset(type) + 32 * g + 4 * i, src + scales + 4 * g, 4);
             }
         }
     }
