@@ -16,6 +16,7 @@ import random
 import pytest
 
 from kernel_lab.models import gguf as gguf_module
+from kernel_lab.models.gguf_file import GGUFFile
 from kernel_lab.models.tokenizer import SPACE_MARKER, build_gguf_tokenizer, merges_by_score
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -95,7 +96,7 @@ def spm_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(spm_gguf):
     path, _, _ = spm_gguf
-    meta = gguf_module.tokenizer_metadata(gguf_module.read_metadata(gguf_module._open_reader(path)))
+    meta = gguf_module.tokenizer_metadata(GGUFFile(path).metadata)
     assert meta["model"] == "llama" and meta["add_space_prefix"] is True
     return build_gguf_tokenizer(meta)
 
@@ -164,7 +165,7 @@ def test_special_tokens_stay_whole_and_restart_the_prefix_space(ours, spm_gguf):
 
 def test_without_space_prefix(spm_gguf):
     path, tokens, scores = spm_gguf
-    meta = gguf_module.tokenizer_metadata(gguf_module.read_metadata(gguf_module._open_reader(path)))
+    meta = gguf_module.tokenizer_metadata(GGUFFile(path).metadata)
     tokenizer = build_gguf_tokenizer({**meta, "add_space_prefix": False, "add_bos_token": False})
     for text in CASES[:300]:
         assert tokenizer.encode(text).ids == llama_cpp_spm(text, tokens, scores, add_space_prefix=False), text

@@ -193,8 +193,8 @@ def test_gguf_files_load_in_place_without_a_float32_export(k_quant_file, make_gg
     from kernel_lab.models.loader import resolve_model_dir
 
     engine = LLMEngine(str(k_quant_file), weights="quantized", **KWARGS)
-    assert gguf_source(engine.model_dir) == k_quant_file.resolve()
-    assert not list(engine.model_dir.rglob("*.safetensors")), "the engine's GGUF directory must hold no weights"
+    assert gguf_source(engine.config.model_dir) == k_quant_file.resolve()
+    assert not list(engine.config.model_dir.rglob("*.safetensors")), "the engine's GGUF directory must hold no weights"
     assert engine.stats()["resident_weight_bytes"] <= 1.1 * tensor_bytes(k_quant_file)
     assert list(resolve_model_dir(str(k_quant_file)).glob("*.safetensors")), "the full export stays available"
 
