@@ -1,0 +1,134 @@
+"""Every registered model family (kernel_lab/models/registry.py) against transformers, in float32 on CPU.
+
+Each family is a tiny random checkpoint built offline from transformers' config class (initializer_range 0.3,
+so the top-2 margin of every greedy step is clear), saved with save_pretrained beside the bundled model's
+tokenizer files. Our engine runs five prompts, two sharing a 40-token prefix, under continuous batching (more
+prompts than max_num_seqs), chunked prefill (a 24-token budget) and a prefix-cache hit, on both CPU paths:
+"fused" (every row through the C call rope_write_paged_attention, the engine's default) and "prefill"
+(prompt chunks through the SDPA prefill path, decode rows through ops.paged_decode_attention). Greedy tokens
+must equal transformers' and the first token's log-probability must match. Mistral's window (24) is shorter
+than every prompt, so it binds on both paths.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernel_lab.engine import LLMEngine, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 8
+WINDOW = 24
+SHARED = ("The following notes summarise a long technical report about the history of computing, from the "
+          "first mechanical calculators through vacuum tubes and transistors. ")
+PROMPTS = [SHARED + "Section one:",
+           "Once upon a time, in a small village by the sea, there lived an old man who mended the nets of every "
+           "fisherman in the harbour and asked",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+           SHARED + "Section two, on transistors:", "émoji 🤖 ünïcödé 中文 Ωμέγα   and then, after a run of spaces, "
+           "a few more words"]
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# family -> (transformers config class name, its settings beyond COMMON)
+FAMILIES = {
+    "llama3": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "gemma": ("GemmaConfig", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                                original_max_position_embeddings=512)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def tiny_checkpoint(family: str, directory, tokenizer_dir) -> None:
+    """A random `family` checkpoint in `directory` with the bundled tokenizer's files."""
+    class_name, settings = FAMILIES[family]
+    config = getattr(transformers, class_name)(**{**COMMON, **settings})
+    torch.manual_seed(sorted(FAMILIES).index(family))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(bundled_model):
+    from kernel_lab.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family)
+            tiny_checkpoint(family, made[family], tokenizer_dir)
+        return made[family]
+
+    return get
+
+
+def transformers_greedy(directory, prompts: list[list[int]]):
+    """(greedy continuations, log-probability of each first token), one prompt at a time (no padding)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    tokens, first_logprobs, margins = [], [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(ids):].tolist())
+            logprobs = torch.log_softmax(out.scores[0][0].float(), dim=-1)
+            first_logprobs.append(float(logprobs[tokens[-1][0]]))
+            margins += [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    assert min(margins) > 1e-3, f"a greedy step has top-2 margin {min(margins)}: the comparison is not decisive"
+    return tokens, first_logprobs
+
+
+def engine_greedy(directory, path: str):
+    engine = LLMEngine(str(directory), dtype="float32", device="cpu", weights="float32", max_model_len=256,
+                       max_num_seqs=3, num_kv_blocks=48, max_num_batched_tokens=24, block_size=16)
+    if path == "prefill":  # prompt chunks take the SDPA prefill path instead of the fused decode call
+        engine.runner.prompt_tokens_decode = False
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] > 0, "the shared prefix was meant to hit the prefix cache"
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"], "blocks leaked"
+    outs = [final[str(i)].outputs[0] for i in range(len(PROMPTS))]
+    prompt_ids = [final[str(i)].prompt_token_ids for i in range(len(PROMPTS))]
+    return prompt_ids, [o.token_ids for o in outs], [o.logprobs[0][o.token_ids[0]].logprob for o in outs]
+
+
+@pytest.mark.parametrize("path", ["fused", "prefill"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, path, checkpoints, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernel_lab.ops' CPU paths (C kernels, torch reference)
+    directory = checkpoints(family)
+    prompt_ids, ours, our_logprobs = engine_greedy(directory, path)
+    if family == "mistral_window":
+        assert min(map(len, prompt_ids)) > WINDOW, "every prompt must be longer than the window"
+    theirs, their_logprobs = transformers_greedy(directory, prompt_ids)
+    assert ours == theirs
+    torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
