@@ -221,17 +221,34 @@ class _Tensors:
         self.file = GGUFFile(self.path)
         self.metadata = self.file.metadata
         arch, _, _, self.permuted, _ = _architecture(self.metadata, self.path)
-        if "rope_freqs.weight" in self.file.tensors:
-            raise ValueError(f"{str(self.path)!r} carries rope_freqs (Llama 3.1-style RoPE scaling), "
-                             "which is not supported")
         self.config = config_from_metadata(self.metadata, has_output_weight="output.weight" in self.file.tensors,
                                            path=self.path)
+        if "rope_freqs.weight" in self.file.tensors:
+            self.config["rope_parameters"] = self._llama3_parameters()
         self.names = {}
         for name in self.file.tensors:
+            if name == "rope_freqs.weight":  # a RoPE setting, not a weight: now in the config
+                continue
             hf_name = _hf_name(name)
             if hf_name is None:
                 raise ValueError(f"unexpected tensor {name!r} in {str(self.path)!r} (architecture {arch!r})")
             self.names[hf_name] = self.file.tensors[name]
+
+    def _llama3_parameters(self) -> dict:
+        """Llama 3.1+'s rope_parameters from the file's `rope_freqs` (llama.cpp's per-frequency divisors)."""
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        from .rope_scaling import llama3_parameters_from_rope_freqs
+
+        info = self.file.tensors["rope_freqs.weight"]
+        values = dequantize(self.file.tensor_bytes(info).reshape(1, -1), GGMLQuantizationType(info.ggml_type))
+        rope_freqs = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        try:
+            return llama3_parameters_from_rope_freqs(self.config["head_dim"], self.config["rope_theta"], rope_freqs)
+        except ValueError as exc:
+            raise ValueError(f"{str(self.path)!r}: its rope_freqs tensor: {exc}") from None
 
     def rows(self, hf_name: str) -> np.ndarray:
         """uint8 [rows, row bytes]: a view of the map, or for permuted q/k rows a copy in transformers' order."""

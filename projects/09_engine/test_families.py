@@ -132,3 +132,40 @@ def test_family_matches_transformers(family, path, checkpoints, monkeypatch):
     theirs, their_logprobs = transformers_greedy(directory, prompt_ids)
     assert ours == theirs
     torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+def test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export(tmp_path, make_gguf, tokenizer_dir,
+                                                                           monkeypatch):
+    """A Llama 3.1-style GGUF (a `rope_freqs` tensor, as llama.cpp's converter writes it) loads with the llama3
+    rope_parameters those divisors encode; our engine's first-token log-probs on a prompt past the original
+    context (64) match transformers on the exported directory."""
+    from kernel_lab.engine import LLM
+    from kernel_lab.models.config import ModelConfig
+    from kernel_lab.models.gguf import export_hf_directory, load_gguf
+    from kernel_lab.models.layers.rotary import rope_inv_freq
+    from kernel_lab.models.rope_scaling import default_inv_freq, inv_freq_from_rope_freqs, llama3_inv_freq
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    head_dim, context = 64, 64
+    # llama.cpp's divisors: default over scaled frequencies (test_rope_scaling.py checks its converter's formula)
+    rope_freqs = default_inv_freq(head_dim, 10000.0) / llama3_inv_freq(head_dim, 10000.0, 8.0, 1.0, 4.0, context)
+    path = make_gguf.write_random(tmp_path / "llama3.gguf", "tiny", {}, seed=5, rope_freqs=rope_freqs.numpy())
+    config, state_dict, _ = load_gguf(path)
+    assert "rope_freqs.weight" not in state_dict
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": context}
+    torch.testing.assert_close(rope_inv_freq(ModelConfig.from_hf(config)),
+                               inv_freq_from_rope_freqs(head_dim, 10000.0, rope_freqs), rtol=2e-6, atol=0)
+    engine = LLMEngine(str(path), dtype="float32", device="cpu", weights="float32", max_model_len=256,
+                       max_num_seqs=2, num_kv_blocks=32, block_size=16)
+    prompt = " ".join(["a long prompt that runs past the original context of sixty-four tokens"] * 8)
+    result = LLM.from_engine(engine).generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    ids = result.prompt_token_ids
+    assert len(ids) > context
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf_directory(path)), dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+    for token, entry in result.outputs[0].logprobs[0].items():
+        assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-4)
