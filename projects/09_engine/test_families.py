@@ -169,3 +169,72 @@ def test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export(tmp_
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
     for token, entry in result.outputs[0].logprobs[0].items():
         assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ MoE layer
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_mixture_of_experts_layer_matches_float64(interpret, monkeypatch):
+    """Mixtral's layer (llama.MixtureOfExperts) through ops.moe: the torch path (TRITON_INTERPRET=0: one
+    gather and two matmuls per expert) and project 07's Triton kernels (the interpreter), against a float64
+    per-token reference of softmax, top-2, renormalise, SwiGLU experts and the weighted sum."""
+    from kernel_lab import ops
+    from kernel_lab.harness.testing import case_seed, randn
+    from kernel_lab.models.llama import MixtureOfExperts
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    experts, hidden, inter, tokens = 5, 48, 40, 11
+    seed = case_seed("moe-layer", interpret)
+    config = type("Config", (), {"num_experts": experts, "experts_per_token": 2})()
+    weights = {"block_sparse_moe.gate.weight": randn((experts, hidden), torch.float32, "cpu", seed)}
+    for j in range(experts):
+        for k, (rows, cols) in enumerate([(inter, hidden), (hidden, inter), (inter, hidden)]):
+            weights[f"block_sparse_moe.experts.{j}.w{k + 1}.weight"] = randn((rows, cols), torch.float32, "cpu",
+                                                                             seed + 10 * j + k + 1) * 0.3
+    x = randn((tokens, hidden), torch.float32, "cpu", seed + 99)
+    calls = []
+    real_moe = ops.moe
+    monkeypatch.setattr(ops, "moe", lambda *a, **k: calls.append(1) or real_moe(*a, **k))
+    out = MixtureOfExperts(config, weights)(x)
+    assert calls, "the layer must run through ops.moe"
+    expected = torch.empty(tokens, hidden, dtype=torch.float64)
+    w = {n: t.double() for n, t in weights.items()}
+    for t in range(tokens):
+        probs = torch.softmax(w["block_sparse_moe.gate.weight"] @ x[t].double(), dim=-1)
+        top = torch.topk(probs, 2)
+        acc = torch.zeros(hidden, dtype=torch.float64)
+        for p, e in zip(top.values / top.values.sum(), top.indices.tolist(), strict=True):
+            gate = w[f"block_sparse_moe.experts.{e}.w1.weight"] @ x[t].double()
+            up = w[f"block_sparse_moe.experts.{e}.w3.weight"] @ x[t].double()
+            acc += p * (w[f"block_sparse_moe.experts.{e}.w2.weight"] @ (torch.nn.functional.silu(gate) * up))
+        expected[t] = acc
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["Gemma2ForCausalLM"]}, "'Gemma2ForCausalLM': Gemma 2's attention and final logit softcapping"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen-MoE's shared expert is not implemented"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported model architecture .*supported: LlamaForCausalLM"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "unsupported rope type 'yarn'"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_parameters": {"rope_type": "longrope"}},
+     "unsupported rope type 'longrope'"),
+    ({"architectures": ["LlamaForCausalLM"], "final_logit_softcapping": 30.0},
+     "unsupported final_logit_softcapping=30.0: logit softcapping is not implemented"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 16},
+     "use_sliding_window=true: Qwen's per-layer sliding windows"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+    ({"architectures": ["GemmaForCausalLM"], "hidden_act": "relu"}, "unsupported hidden_act 'relu' for Gemma"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "num_experts_per_tok": 3},
+     r"num_experts_per_tok 3 must be in \[1, num_local_experts=2\]"),
+])
+def test_unsupported_architectures_and_features_are_refused_by_name(config, message):
+    from kernel_lab.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**BASE, **config})
