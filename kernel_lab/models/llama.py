@@ -1,9 +1,14 @@
-"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) built on `kernel_lab.ops` and `layers/`.
+"""The shared decoder of every family in registry.py (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral), built on
+`kernel_lab.ops` and `layers/`; each family's file sets the ModelConfig fields that switch its parts.
 
     x = embed(ids)
     for each layer:  h = x + o_proj(attention(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_norm(x))
-                     x = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
+                     x = h + mlp(rms_norm(h))
     logits = lm_head(rms_norm(x))
+
+mlp is down_proj(silu_and_mul(gate_up_proj(.))) (gelu_and_mul for Gemma) or Mixtral's experts on ops.moe;
+Qwen3 normalises each q and k head before RoPE; Gemma scales the embeddings by sqrt(hidden); Mistral's
+attention sees its last `sliding_window` positions.
 
 The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
 place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
@@ -124,7 +129,7 @@ class MixtureOfExperts(nn.Module):
         return ops.moe(x, self.w_gate_up, self.w_down, self.router(x), self.top_k, renormalize=True)
 
     def projections(self):
-        return [self.router]
+        return [self.router]  # the experts a step reads depend on its routing: left out of decode_weight_bytes
 
 
 class DecoderLayer(nn.Module):

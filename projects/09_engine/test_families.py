@@ -238,3 +238,18 @@ def test_unsupported_architectures_and_features_are_refused_by_name(config, mess
 
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf({**BASE, **config})
+
+
+def test_readme_family_table_is_the_registry_and_each_row_has_a_test():
+    from pathlib import Path
+
+    from kernel_lab.models.registry import ARCHITECTURES, family_table, model_class
+
+    readme = (Path(__file__).parent / "README.md").read_text()
+    table = readme.split("<!-- family-table:start -->\n", 1)[1].split("\n<!-- family-table:end -->", 1)[0]
+    assert table == family_table(), "regenerate the README's family table from kernel_lab.models.registry"
+    ids = {f"test_families.py::test_family_matches_transformers[{family}]" for family in FAMILIES}
+    for arch in ARCHITECTURES:
+        assert model_class(arch).family_test in ids, f"{arch}'s row names no test of this file"
+        assert model_class(arch).family_test != model_class("LlamaForCausalLM").family_test or \
+            arch == "LlamaForCausalLM", f"{arch} must have its own test"
