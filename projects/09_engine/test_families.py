@@ -19,8 +19,6 @@ import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
 
-transformers = pytest.importorskip("transformers")
-
 NEW_TOKENS = 8
 WINDOW = 24
 SHARED = ("The following notes summarise a long technical report about the history of computing, from the "
@@ -54,6 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 def tiny_checkpoint(family: str, directory, tokenizer_dir) -> None:
     """A random `family` checkpoint in `directory` with the bundled tokenizer's files."""
+    transformers = pytest.importorskip("transformers")
     class_name, settings = FAMILIES[family]
     config = getattr(transformers, class_name)(**{**COMMON, **settings})
     torch.manual_seed(sorted(FAMILIES).index(family))
@@ -85,6 +84,7 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
 
 def transformers_greedy(directory, prompts: list[list[int]]):
     """(greedy continuations, log-probability of each first token), one prompt at a time (no padding)."""
+    transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
                                                              attn_implementation="eager").eval()
     tokens, first_logprobs, margins = [], [], []
@@ -164,6 +164,7 @@ def test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export(tmp_
     result = LLM.from_engine(engine).generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     ids = result.prompt_token_ids
     assert len(ids) > context
+    transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf_directory(path)), dtype=torch.float32)
     with torch.inference_mode():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
