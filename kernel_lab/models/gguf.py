@@ -45,6 +45,7 @@ BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True, False),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False, True),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False, False),  # rows as transformers lays them out (NEOX RoPE)
 }
 
 # Per-layer GGUF tensor name -> Hugging Face name (under model.layers.{i}.)
@@ -58,6 +59,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -152,7 +155,7 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         config.pop("attention_bias")
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
             "num_hidden_layers"]})

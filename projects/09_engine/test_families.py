@@ -254,3 +254,71 @@ def test_readme_family_table_is_the_registry_and_each_row_has_a_test():
         assert model_class(arch).family_test in ids, f"{arch}'s row names no test of this file"
         assert model_class(arch).family_test != model_class("LlamaForCausalLM").family_test or \
             arch == "LlamaForCausalLM", f"{arch} must have its own test"
+
+
+def write_gguf(checkpoint, path, architecture: str) -> None:
+    """The checkpoint as a float32 GGUF in llama.cpp's layout for `architecture` (tensor names of
+    models/gguf.py, rows unpermuted: qwen3 uses NEOX RoPE), with the bundled GGUF's tokenizer."""
+    import json
+
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from kernel_lab.models import gguf as ours
+    from kernel_lab.models.gguf_file import GGUFFile
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(0)  # all F32
+    source = GGUFFile(ours.default_model_path())
+    for name, value in source.metadata.items():
+        if name.startswith("tokenizer."):
+            value_type, item_type = source.value_types[name]
+            writer.add_key_value(name, value, gguf.GGUFValueType(value_type),
+                                 sub_type=None if item_type is None else gguf.GGUFValueType(item_type))
+    layer_names = {hf: g for g, hf in ours._LAYER_TENSORS.items()}
+    global_names = {hf: g for g, hf in ours._GLOBAL_TENSORS.items()}
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        stem = name.removesuffix(".weight")
+        if stem in global_names:
+            gguf_name = global_names[stem]
+        else:
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{layer_names[part]}"
+        writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_matches_transformers_and_llama_cpp(tmp_path, checkpoints, monkeypatch):
+    """A Qwen3 GGUF (q/k norms as attn_q_norm / attn_k_norm): our engine on it matches transformers on the
+    checkpoint; where .venv-llamacpp exists, llama.cpp's greedy tokens on the same file do too, which checks
+    the layout the file is written in."""
+    from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, run_llama_cpp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    checkpoint = checkpoints("qwen3")
+    path = tmp_path / "qwen3.gguf"
+    write_gguf(checkpoint, path, "qwen3")
+    prompt_ids, ours, our_logprobs = engine_greedy(path, "fused")
+    theirs, their_logprobs = transformers_greedy(checkpoint, prompt_ids)
+    assert ours == theirs
+    torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
+    if not DEFAULT_LLAMA_CPP_PYTHON.exists():
+        pytest.skip("llama.cpp's side needs .venv-llamacpp (make llama-cpp-env)")
+    result = run_llama_cpp(DEFAULT_LLAMA_CPP_PYTHON, {"model": str(path), "prompts": prompt_ids[:2],
+                                                      "output_len": NEW_TOKENS, "concurrency": 1, "threads": 1,
+                                                      "warmup": False})
+    assert result["outputs"] == theirs[:2]
