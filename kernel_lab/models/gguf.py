@@ -46,6 +46,7 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True, False),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False, True),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False, False),  # rows as transformers lays them out (NEOX RoPE)
+    "gemma": ("GemmaForCausalLM", "gemma", False, False),  # norms stored as 1 + w (see _Tensors.values)
 }
 
 # Per-layer GGUF tensor name -> Hugging Face name (under model.layers.{i}.)
@@ -155,6 +156,8 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    if model_type == "gemma":
+        config["hidden_act"] = "gelu_pytorch_tanh"
     if model_type in ("qwen2", "qwen3"):
         config.pop("attention_bias")
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
@@ -271,7 +274,10 @@ class _Tensors:
 
         info = self.names[hf_name]
         values = dequantize(self.rows(hf_name), GGMLQuantizationType(info.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+        if self.metadata.get("general.architecture") == "gemma" and hf_name.endswith("norm.weight"):
+            values -= 1.0  # llama.cpp's converter stores Gemma's (1 + w); Hugging Face's layout holds w
+        return values
 
     def block_format(self, hf_name: str) -> str | None:
         """The tensor's format when ops/gguf_linear.py computes on it (a matrix in one of its formats)."""

@@ -258,7 +258,8 @@ def test_readme_family_table_is_the_registry_and_each_row_has_a_test():
 
 def write_gguf(checkpoint, path, architecture: str) -> None:
     """The checkpoint as a float32 GGUF in llama.cpp's layout for `architecture` (tensor names of
-    models/gguf.py, rows unpermuted: qwen3 uses NEOX RoPE), with the bundled GGUF's tokenizer."""
+    models/gguf.py, rows unpermuted: qwen3 and gemma use NEOX RoPE; gemma's norms stored as 1 + w, as
+    llama.cpp's converter writes them), with the bundled GGUF's tokenizer."""
     import json
 
     gguf = pytest.importorskip("gguf")
@@ -295,6 +296,8 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
         else:
             _, _, layer, part = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{layer_names[part]}"
+        if architecture == "gemma" and stem.endswith("norm"):
+            tensor = tensor.float() + 1.0
         writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -302,16 +305,17 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
     writer.close()
 
 
-def test_qwen3_gguf_matches_transformers_and_llama_cpp(tmp_path, checkpoints, monkeypatch):
-    """A Qwen3 GGUF (q/k norms as attn_q_norm / attn_k_norm): our engine on it matches transformers on the
-    checkpoint; where .venv-llamacpp exists, llama.cpp's greedy tokens on the same file do too, which checks
-    the layout the file is written in."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_gguf_matches_transformers_and_llama_cpp(family, tmp_path, checkpoints, monkeypatch):
+    """A Qwen3 GGUF (q/k norms as attn_q_norm / attn_k_norm) and a Gemma one ((1 + w) norms, tied output):
+    our engine on it matches transformers on the checkpoint; where .venv-llamacpp exists, llama.cpp's greedy
+    tokens on the same file do too, which checks the layout the file is written in."""
     from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, run_llama_cpp
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    checkpoint = checkpoints("qwen3")
-    path = tmp_path / "qwen3.gguf"
-    write_gguf(checkpoint, path, "qwen3")
+    checkpoint = checkpoints(family)
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(checkpoint, path, family)
     prompt_ids, ours, our_logprobs = engine_greedy(path, "fused")
     theirs, their_logprobs = transformers_greedy(checkpoint, prompt_ids)
     assert ours == theirs
