@@ -69,8 +69,9 @@ class LayerKVCache:
         return k.to(dtype), v.to(dtype)
 
 
-def _causal_prefill(q, k, v, num_cached: int, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] at positions num_cached.., k/v [num_cached + n, Hkv, D] -> [n, Hq, D]."""
+def _causal_prefill(q, k, v, num_cached: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [n, Hq, D] at positions num_cached.., k/v [num_cached + n, Hkv, D] -> [n, Hq, D]; with a `window`
+    each query sees its last `window` positions only (itself included), as the decode kernels do."""
     n, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     if group > 1:
@@ -78,19 +79,22 @@ def _causal_prefill(q, k, v, num_cached: int, scale: float) -> torch.Tensor:
         v = v.repeat_interleave(group, dim=1)
     # [1, H, len, D]: the 4-D form every SDPA backend (flash, memory-efficient, math) accepts
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if num_cached == 0:
+    if num_cached == 0 and not window:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
         key_pos = torch.arange(num_cached + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if window:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the flat batch -> attention output [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the flat batch -> attention output [T, Hq, D], each token attending
+    its last `window` positions when a sliding window is given."""
     # The model runner checked the slots and block tables once for the step; the layers do not repeat it.
     ops.write_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale,
                  validate=False)
@@ -99,18 +103,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     if nd:
         ops.paged_decode_attention(q[:nd], cache.k_cache, cache.v_cache, meta.decode_block_tables,
                                    meta.decode_seq_lens, scale, cache.k_scale, cache.v_scale, out=out[:nd],
-                                   validate=False)
+                                   validate=False, sliding_window=window)
     for chunk in meta.prefills:
         q_c, k_c, v_c = q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end]
         if chunk.num_cached:
             k_prefix, v_prefix = cache.gather(chunk.prefix_slots, q.dtype)
             k_c, v_c = torch.cat([k_prefix, k_c]), torch.cat([v_prefix, v_c])
-        out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, chunk.num_cached, scale)
+        out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, chunk.num_cached, scale, window)
     return out
 
 
 def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
-                               meta: AttentionMetadata, scale: float, num_q_heads: int) -> torch.Tensor:
+                               meta: AttentionMetadata, scale: float, num_q_heads: int,
+                               window: int | None = None) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) * D] (the qkv projection's output) and the step's cos/sin rows -> attention
     output [T, Hq * D], with RoPE applied to q and k and K, V stored in the cache, in one C call.
 
@@ -122,5 +127,5 @@ def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torc
     out = torch.empty(qkv.shape[0], num_q_heads * cache.k_cache.shape[-1], dtype=qkv.dtype)
     cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
                                                meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale,
-                                               out)
+                                               out, window or 0)
     return out

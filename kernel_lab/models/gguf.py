@@ -45,6 +45,8 @@ BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True, False),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False, True),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False, False),  # rows as transformers lays them out (NEOX RoPE)
+    "gemma": ("GemmaForCausalLM", "gemma", False, False),  # norms stored as 1 + w (see _Tensors.values)
 }
 
 # Per-layer GGUF tensor name -> Hugging Face name (under model.layers.{i}.)
@@ -58,6 +60,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -152,7 +156,9 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if model_type == "qwen2":
+    if model_type == "gemma":
+        config["hidden_act"] = "gelu_pytorch_tanh"
+    if model_type in ("qwen2", "qwen3"):
         config.pop("attention_bias")
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
             "num_hidden_layers"]})
@@ -221,17 +227,34 @@ class _Tensors:
         self.file = GGUFFile(self.path)
         self.metadata = self.file.metadata
         arch, _, _, self.permuted, _ = _architecture(self.metadata, self.path)
-        if "rope_freqs.weight" in self.file.tensors:
-            raise ValueError(f"{str(self.path)!r} carries rope_freqs (Llama 3.1-style RoPE scaling), "
-                             "which is not supported")
         self.config = config_from_metadata(self.metadata, has_output_weight="output.weight" in self.file.tensors,
                                            path=self.path)
+        if "rope_freqs.weight" in self.file.tensors:
+            self.config["rope_parameters"] = self._llama3_parameters()
         self.names = {}
         for name in self.file.tensors:
+            if name == "rope_freqs.weight":  # a RoPE setting, not a weight: now in the config
+                continue
             hf_name = _hf_name(name)
             if hf_name is None:
                 raise ValueError(f"unexpected tensor {name!r} in {str(self.path)!r} (architecture {arch!r})")
             self.names[hf_name] = self.file.tensors[name]
+
+    def _llama3_parameters(self) -> dict:
+        """Llama 3.1+'s rope_parameters from the file's `rope_freqs` (llama.cpp's per-frequency divisors)."""
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        from .rope_scaling import llama3_parameters_from_rope_freqs
+
+        info = self.file.tensors["rope_freqs.weight"]
+        values = dequantize(self.file.tensor_bytes(info).reshape(1, -1), GGMLQuantizationType(info.ggml_type))
+        rope_freqs = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        try:
+            return llama3_parameters_from_rope_freqs(self.config["head_dim"], self.config["rope_theta"], rope_freqs)
+        except ValueError as exc:
+            raise ValueError(f"{str(self.path)!r}: its rope_freqs tensor: {exc}") from None
 
     def rows(self, hf_name: str) -> np.ndarray:
         """uint8 [rows, row bytes]: a view of the map, or for permuted q/k rows a copy in transformers' order."""
@@ -251,7 +274,10 @@ class _Tensors:
 
         info = self.names[hf_name]
         values = dequantize(self.rows(hf_name), GGMLQuantizationType(info.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+        if self.metadata.get("general.architecture") == "gemma" and hf_name.endswith("norm.weight"):
+            values -= 1.0  # llama.cpp's converter stores Gemma's (1 + w); Hugging Face's layout holds w
+        return values
 
     def block_format(self, hf_name: str) -> str | None:
         """The tensor's format when ops/gguf_linear.py computes on it (a matrix in one of its formats)."""

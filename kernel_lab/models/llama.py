@@ -1,9 +1,14 @@
-"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) built on `kernel_lab.ops` and `layers/`.
+"""The shared decoder of every family in registry.py (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral), built on
+`kernel_lab.ops` and `layers/`; each family's file sets the ModelConfig fields that switch its parts.
 
     x = embed(ids)
     for each layer:  h = x + o_proj(attention(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_norm(x))
-                     x = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
+                     x = h + mlp(rms_norm(h))
     logits = lm_head(rms_norm(x))
+
+mlp is down_proj(silu_and_mul(gate_up_proj(.))) (gelu_and_mul for Gemma) or Mixtral's experts on ops.moe;
+Qwen3 normalises each q and k head before RoPE; Gemma scales the embeddings by sqrt(hidden); Mistral's
+attention sees its last `sliding_window` positions.
 
 The model works on a flat batch of tokens from many sequences (no padding): `positions` gives each token's
 place in its sequence and `AttentionMetadata` says which tokens decode and which prefill (attention.py).
@@ -16,7 +21,7 @@ Residual adds are fused into the next RMSNorm (`fused_add_rms_norm`), as in vLLM
 
 The checkpoint's tensor names and shapes are one table, `checkpoint_shapes`: loading checks a state dict
 against it, random weights are drawn from it and the parameter count sums it. A Llama-shaped family is a
-subclass here (or a file with its own table) and an entry in MODEL_CLASSES.
+file with a subclass and its config translation, and an entry in registry.ARCHITECTURES.
 """
 
 from __future__ import annotations
@@ -43,16 +48,29 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.o_proj.weight": (h, q)})
+        if config.fused_projections:  # Phi-3: one stacked tensor each, as our layers hold them
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h)})
         if config.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if config.num_experts:  # Mixtral: a router and per expert w1 (gate), w3 (up), w2 (down)
+            moe = p + "block_sparse_moe."
+            shapes[moe + "gate.weight"] = (config.num_experts, h)
+            for j in range(config.num_experts):
+                shapes.update({f"{moe}experts.{j}.w1.weight": (inter, h), f"{moe}experts.{j}.w3.weight": (inter, h),
+                               f"{moe}experts.{j}.w2.weight": (h, inter)})
+        elif config.fused_projections:
+            shapes.update({p + "mlp.gate_up_proj.weight": (2 * inter, h), p + "mlp.down_proj.weight": (h, inter)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
     return shapes
 
 
@@ -73,22 +91,74 @@ def check_checkpoint(config: ModelConfig, state_dict: dict) -> None:
         raise ValueError(f"{name} has shape {got}, expected {want} for this config ({len(wrong)} tensor(s) differ)")
 
 
-class DecoderLayer(nn.Module):
+class DenseMLP(nn.Module):
+    """down_proj(act_and_mul(gate_up_proj(x))) with SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU)."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
+        self.gate_up_proj = linear_for([weights["mlp.gate_up_proj.weight"]] if config.fused_projections
+                                       else [weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        self.down_proj = linear_for([weights["mlp.down_proj.weight"]])
+        self.gelu = {"gelu_tanh": "tanh", "gelu": "none"}.get(config.hidden_act)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops.gelu_and_mul(gate_up, approximate=self.gelu) if self.gelu
+                              else ops.silu_and_mul(gate_up))
+
+    def projections(self):
+        return [self.gate_up_proj, self.down_proj]
+
+
+class MixtureOfExperts(nn.Module):
+    """Mixtral's sparse MLP on project 07's `ops.moe`: softmax over the router's logits, the top-k experts
+    renormalised, one grouped GEMM per projection over the tokens sorted by expert, then the weighted combine.
+    The experts' w1 (gate) and w3 (up) are stacked into [E, 2I, H] at load, w2 into [E, H, I]."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        experts = range(config.num_experts)
+        prefix = "block_sparse_moe."
+        self.router = Linear(weights[prefix + "gate.weight"])
+        self.w_gate_up = param(torch.stack([torch.cat([weights[f"{prefix}experts.{j}.w1.weight"],
+                                                       weights[f"{prefix}experts.{j}.w3.weight"]]) for j in experts]))
+        self.w_down = param(torch.stack([weights[f"{prefix}experts.{j}.w2.weight"] for j in experts]))
+        self.top_k = config.experts_per_token
+
+    def forward(self, x):
+        return ops.moe(x, self.w_gate_up, self.w_down, self.router(x), self.top_k, renormalize=True)
+
+    def projections(self):
+        return [self.router]  # the experts a step reads depend on its routing: left out of decode_weight_bytes
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], window: int | None):
+        super().__init__()
         self.config = config
+        self.window = window
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.input_norm = param(weights["input_layernorm.weight"])
         self.post_attention_norm = param(weights["post_attention_layernorm.weight"])
-        self.qkv_proj = linear_for([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"],
-                                   torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
+        qkv = ([weights["self_attn.qkv_proj.weight"]] if config.fused_projections
+               else [weights[f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        self.qkv_proj = linear_for(qkv, torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"])
                                    if config.qkv_bias else None)
         self.o_proj = linear_for([weights["self_attn.o_proj.weight"]])
-        self.gate_up_proj = linear_for([weights[f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
-        self.down_proj = linear_for([weights["mlp.down_proj.weight"]])
+        self.q_norm = param(weights["self_attn.q_norm.weight"]) if config.qk_norm else None
+        self.k_norm = param(weights["self_attn.k_norm.weight"]) if config.qk_norm else None
+        self.mlp = MixtureOfExperts(config, weights) if config.num_experts else DenseMLP(config, weights)
         self.scale = config.head_dim ** -0.5
+
+    def normalize_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3's per-head RMSNorm of q and k, written back into the qkv buffer: every attention path (the
+        fused C decode call included) then reads normalised heads, and RoPE follows as in transformers."""
+        tokens, d, eps = qkv.shape[0], self.config.head_dim, self.config.rms_norm_eps
+        for start, size, weight in ((0, self.q_size, self.q_norm), (self.q_size, self.kv_size, self.k_norm)):
+            heads = qkv[:, start:start + size]
+            heads.copy_(ops.rms_norm(heads.reshape(-1, d), weight, eps).view(tokens, size))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, residual, cache: LayerKVCache,
                 meta: AttentionMetadata):
@@ -99,21 +169,33 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            self.normalize_qk(qkv)
         if meta.fused_cpu_decode:
-            attn = rope_write_paged_attention(qkv, rope, cache, meta, self.scale, self.config.num_heads)
+            attn = rope_write_paged_attention(qkv, rope, cache, meta, self.scale, self.config.num_heads,
+                                              self.window)
         else:
             q, k, v = qkv.split(self.qkv_sizes, dim=-1)
             tokens, d = hidden.shape[0], self.config.head_dim
             q, k = apply_rope(q.view(tokens, -1, d), *rope), apply_rope(k.view(tokens, -1, d), *rope)
-            attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale).view(tokens, -1)
+            attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale,
+                                   self.window).view(tokens, -1)
         hidden = self.o_proj(attn)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
-        hidden = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
-        return hidden, residual
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / SmolLM2 / Mistral. Qwen2 differs only by the q/k/v bias (see Qwen2ForCausalLM)."""
+    """Llama 2/3, SmolLM2; the other families (registry.py) subclass it with their config translation."""
+
+    family_name = "Llama 2/3, SmolLM2"
+    family_notes = "the shared decoder (llama3 and linear RoPE scaling)"
+    family_test = "test_families.py::test_family_matches_transformers[llama3]"
+
+    @classmethod
+    def translate_config(cls, hf_config: dict) -> dict:
+        """This family's ModelConfig fields beyond the shared ones (config.py), refusing what it lacks."""
+        return {}
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int):
@@ -125,14 +207,19 @@ class LlamaForCausalLM(nn.Module):
             value = state_dict.pop(name)
             if isinstance(value, QuantizedWeight):  # GGUF blocks: CPU, float32 activations (EngineConfig checks)
                 return value
+            if config.norm_offset and name.endswith("norm.weight"):  # Gemma: x * (1 + w), summed in float32
+                value = value.float() + 1.0
             return value.to(device=device, dtype=dtype)
 
         self.embed = Embedding(take("model.embed_tokens.weight"))
+        self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
+        # a window at least the longest sequence never binds: left out, so CUDA (no window yet) runs it
+        window = config.sliding_window if config.sliding_window and config.sliding_window < max_positions else None
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
             names = [n for n in list(state_dict) if n.startswith(prefix)]
-            self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}))
+            self.layers.append(DecoderLayer(config, {n[len(prefix):]: take(n) for n in names}, window))
         self.norm = param(take("model.norm.weight"))
         if config.tie_word_embeddings or "lm_head.weight" not in state_dict:
             # tied: the same parameter (plus its blocked copy on CPU), or the same packed blocks
@@ -146,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] (normalised) for the flat batch."""
         hidden = self.embed(input_ids)
+        if self.embed_scale is not None:  # rounded to the activations' dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         rope = self.rotary(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -158,8 +247,8 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every projection and the lm_head (embedding rows aside)."""
-        layers = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj,
-                                                                          layer.gate_up_proj, layer.down_proj)]
+        layers = [self.lm_head] + [m for layer in self.layers
+                                   for m in (layer.qkv_proj, layer.o_proj, *layer.mlp.projections())]
         return sum(weight_bytes(m) for m in layers)
 
     def resident_weight_bytes(self) -> int:
@@ -171,25 +260,12 @@ class LlamaForCausalLM(nn.Module):
         return sum(storages.values())
 
 
-class MistralForCausalLM(LlamaForCausalLM):
-    pass
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    pass
-
-
-MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
-
-
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device,
                 max_positions: int) -> LlamaForCausalLM:
     """The decoder for `config`, taking (and emptying) `state_dict`."""
-    model = MODEL_CLASSES[config.architecture](config, state_dict, dtype, torch.device(device), max_positions)
+    from .registry import model_class
+
+    model = model_class(config.architecture)(config, state_dict, dtype, torch.device(device), max_positions)
     return model.eval()
 
 

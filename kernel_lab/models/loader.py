@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from .registry import ARCHITECTURES, family_of
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def resolve_model_dir(model=None, float_weights: bool = True) -> Path:
@@ -38,12 +40,10 @@ def resolve_model_dir(model=None, float_weights: bool = True) -> Path:
 
 def load_config(model_dir) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    archs = config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"unsupported model architecture {archs or config.get('model_type')!r} in {str(model_dir)!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        family_of(config)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {str(model_dir)!r})") from None
     return config
 
 

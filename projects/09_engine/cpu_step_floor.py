@@ -54,8 +54,8 @@ def projection_gemms(model, rows: int, with_lm_head: bool):
     inter = torch.randn(rows, c.intermediate_size, generator=g)
     calls = []
     for layer in model.layers:
-        calls += [(layer.qkv_proj, hidden), (layer.o_proj, attn), (layer.gate_up_proj, hidden),
-                  (layer.down_proj, inter)]
+        calls += [(layer.qkv_proj, hidden), (layer.o_proj, attn), (layer.mlp.gate_up_proj, hidden),
+                  (layer.mlp.down_proj, inter)]
     if with_lm_head:
         calls.append((model.lm_head, hidden))
     flops = sum(2 * rows * math.prod(projection_shape(linear)) for linear, _ in calls)

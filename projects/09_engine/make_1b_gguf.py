@@ -96,10 +96,11 @@ def write_f16(path: Path, size: str, seed: int = 0) -> Path:
     return write_random(path, size, {}, seed)
 
 
-def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) -> Path:
+def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0, rope_freqs=None) -> Path:
     """A random GGUF of `size`: matrices in F16, or as random blocks of `formats[role]` (Q4_0, Q4_1, Q5_0,
     Q8_0, Q4_K, Q5_K, Q6_K) where the role (the name's part before `.weight`, e.g. attn_v, ffn_down,
-    token_embd, output) is listed; norms F32 ones.
+    token_embd, output) is listed; norms F32 ones; `rope_freqs` (float32 [head_dim / 2], as llama.cpp's
+    converter writes it for Llama 3.1+) as the `rope_freqs.weight` tensor where given.
     Written tensor by tensor (peak memory: one tensor), then renamed into place so an interrupted run leaves
     no partial file under the final name."""
     import numpy as np
@@ -133,6 +134,8 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) 
         writer.add_key_value(name, value, GGUFValueType(value_type),
                              sub_type=None if item_type is None else GGUFValueType(item_type))
     shapes = tensor_shapes(dims, vocab)
+    if rope_freqs is not None:
+        shapes.append(("rope_freqs.weight", (head_dim // 2,)))
     rng = np.random.default_rng(seed)
 
     def block_format(name, shape):  # None: F16 (or F32 for norms)
@@ -154,7 +157,9 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0) 
     writer.write_ti_data_to_file()
     for name, shape in shapes:
         fmt = block_format(name, shape)
-        if len(shape) == 1:
+        if name == "rope_freqs.weight":
+            writer.write_tensor_data(np.asarray(rope_freqs, dtype=np.float32))
+        elif len(shape) == 1:
             writer.write_tensor_data(np.ones(shape, dtype=np.float32))
         elif fmt:
             writer.write_tensor_data(random_blocks(fmt, shape, rng))

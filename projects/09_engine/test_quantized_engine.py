@@ -173,7 +173,7 @@ def test_k_quant_files_run_on_their_blocks(k_quant_file):
     assert not any(isinstance(m, Linear) for m in model.modules()), "a projection fell back to float32"
     layer = model.layers[0]
     assert isinstance(layer.qkv_proj.packed, PackedStack) and layer.qkv_proj.packed.format == "Q4_K+Q4_K+Q6_K"
-    assert layer.o_proj.packed.format == "Q5_K" and layer.down_proj.packed.format == "Q6_K"
+    assert layer.o_proj.packed.format == "Q5_K" and layer.mlp.down_proj.packed.format == "Q6_K"
     assert model.embed.packed.format == "Q4_K" and isinstance(model.lm_head, QuantizedLinear)
     assert model.lm_head.packed.format == "Q6_K"
     q_rows = _first_logprobs(engine, PROMPTS[:4])

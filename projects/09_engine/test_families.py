@@ -1,0 +1,328 @@
+"""Every registered model family (kernel_lab/models/registry.py) against transformers, in float32 on CPU.
+
+Each family is a tiny random checkpoint built offline from transformers' config class (initializer_range 0.3,
+so the top-2 margin of every greedy step is clear), saved with save_pretrained beside the bundled model's
+tokenizer files. Our engine runs five prompts, two sharing a 40-token prefix, under continuous batching (more
+prompts than max_num_seqs), chunked prefill (a 24-token budget) and a prefix-cache hit, on both CPU paths:
+"fused" (every row through the C call rope_write_paged_attention, the engine's default) and "prefill"
+(prompt chunks through the SDPA prefill path, decode rows through ops.paged_decode_attention). Greedy tokens
+must equal transformers' and the first token's log-probability must match. Mistral's window (24) is shorter
+than every prompt, so it binds on both paths.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernel_lab.engine import LLMEngine, SamplingParams
+
+NEW_TOKENS = 8
+WINDOW = 24
+SHARED = ("The following notes summarise a long technical report about the history of computing, from the "
+          "first mechanical calculators through vacuum tubes and transistors. ")
+PROMPTS = [SHARED + "Section one:",
+           "Once upon a time, in a small village by the sea, there lived an old man who mended the nets of every "
+           "fisherman in the harbour and asked",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+           SHARED + "Section two, on transistors:", "émoji 🤖 ünïcödé 中文 Ωμέγα   and then, after a run of spaces, "
+           "a few more words"]
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# family -> (transformers config class name, its settings beyond COMMON)
+FAMILIES = {
+    "llama3": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "gemma": ("GemmaConfig", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                                original_max_position_embeddings=512)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def tiny_checkpoint(family: str, directory, tokenizer_dir) -> None:
+    """A random `family` checkpoint in `directory` with the bundled tokenizer's files."""
+    transformers = pytest.importorskip("transformers")
+    class_name, settings = FAMILIES[family]
+    config = getattr(transformers, class_name)(**{**COMMON, **settings})
+    torch.manual_seed(sorted(FAMILIES).index(family))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(bundled_model):
+    from kernel_lab.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(family)
+            tiny_checkpoint(family, made[family], tokenizer_dir)
+        return made[family]
+
+    return get
+
+
+def transformers_greedy(directory, prompts: list[list[int]]):
+    """(greedy continuations, log-probability of each first token), one prompt at a time (no padding)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    tokens, first_logprobs, margins = [], [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(ids):].tolist())
+            logprobs = torch.log_softmax(out.scores[0][0].float(), dim=-1)
+            first_logprobs.append(float(logprobs[tokens[-1][0]]))
+            margins += [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    assert min(margins) > 1e-3, f"a greedy step has top-2 margin {min(margins)}: the comparison is not decisive"
+    return tokens, first_logprobs
+
+
+def engine_greedy(directory, path: str):
+    engine = LLMEngine(str(directory), dtype="float32", device="cpu", weights="float32", max_model_len=256,
+                       max_num_seqs=3, num_kv_blocks=48, max_num_batched_tokens=24, block_size=16)
+    if path == "prefill":  # prompt chunks take the SDPA prefill path instead of the fused decode call
+        engine.runner.prompt_tokens_decode = False
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] > 0, "the shared prefix was meant to hit the prefix cache"
+    assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"], "blocks leaked"
+    outs = [final[str(i)].outputs[0] for i in range(len(PROMPTS))]
+    prompt_ids = [final[str(i)].prompt_token_ids for i in range(len(PROMPTS))]
+    return prompt_ids, [o.token_ids for o in outs], [o.logprobs[0][o.token_ids[0]].logprob for o in outs]
+
+
+@pytest.mark.parametrize("path", ["fused", "prefill"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, path, checkpoints, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernel_lab.ops' CPU paths (C kernels, torch reference)
+    directory = checkpoints(family)
+    prompt_ids, ours, our_logprobs = engine_greedy(directory, path)
+    if family == "mistral_window":
+        assert min(map(len, prompt_ids)) > WINDOW, "every prompt must be longer than the window"
+    theirs, their_logprobs = transformers_greedy(directory, prompt_ids)
+    assert ours == theirs
+    torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+def test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export(tmp_path, make_gguf, tokenizer_dir,
+                                                                           monkeypatch):
+    """A Llama 3.1-style GGUF (a `rope_freqs` tensor, as llama.cpp's converter writes it) loads with the llama3
+    rope_parameters those divisors encode; our engine's first-token log-probs on a prompt past the original
+    context (64) match transformers on the exported directory."""
+    from kernel_lab.engine import LLM
+    from kernel_lab.models.config import ModelConfig
+    from kernel_lab.models.gguf import export_hf_directory, load_gguf
+    from kernel_lab.models.layers.rotary import rope_inv_freq
+    from kernel_lab.models.rope_scaling import default_inv_freq, inv_freq_from_rope_freqs, llama3_inv_freq
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    head_dim, context = 64, 64
+    # llama.cpp's divisors: default over scaled frequencies (test_rope_scaling.py checks its converter's formula)
+    rope_freqs = default_inv_freq(head_dim, 10000.0) / llama3_inv_freq(head_dim, 10000.0, 8.0, 1.0, 4.0, context)
+    path = make_gguf.write_random(tmp_path / "llama3.gguf", "tiny", {}, seed=5, rope_freqs=rope_freqs.numpy())
+    config, state_dict, _ = load_gguf(path)
+    assert "rope_freqs.weight" not in state_dict
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": context}
+    torch.testing.assert_close(rope_inv_freq(ModelConfig.from_hf(config)),
+                               inv_freq_from_rope_freqs(head_dim, 10000.0, rope_freqs), rtol=2e-6, atol=0)
+    engine = LLMEngine(str(path), dtype="float32", device="cpu", weights="float32", max_model_len=256,
+                       max_num_seqs=2, num_kv_blocks=32, block_size=16)
+    prompt = " ".join(["a long prompt that runs past the original context of sixty-four tokens"] * 8)
+    result = LLM.from_engine(engine).generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    ids = result.prompt_token_ids
+    assert len(ids) > context
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf_directory(path)), dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+    for token, entry in result.outputs[0].logprobs[0].items():
+        assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ MoE layer
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_mixture_of_experts_layer_matches_float64(interpret, monkeypatch):
+    """Mixtral's layer (llama.MixtureOfExperts) through ops.moe: the torch path (TRITON_INTERPRET=0: one
+    gather and two matmuls per expert) and project 07's Triton kernels (the interpreter), against a float64
+    per-token reference of softmax, top-2, renormalise, SwiGLU experts and the weighted sum."""
+    from kernel_lab import ops
+    from kernel_lab.harness.testing import case_seed, randn
+    from kernel_lab.models.llama import MixtureOfExperts
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    experts, hidden, inter, tokens = 5, 48, 40, 11
+    seed = case_seed("moe-layer", interpret)
+    config = type("Config", (), {"num_experts": experts, "experts_per_token": 2})()
+    weights = {"block_sparse_moe.gate.weight": randn((experts, hidden), torch.float32, "cpu", seed)}
+    for j in range(experts):
+        for k, (rows, cols) in enumerate([(inter, hidden), (hidden, inter), (inter, hidden)]):
+            weights[f"block_sparse_moe.experts.{j}.w{k + 1}.weight"] = randn((rows, cols), torch.float32, "cpu",
+                                                                             seed + 10 * j + k + 1) * 0.3
+    x = randn((tokens, hidden), torch.float32, "cpu", seed + 99)
+    calls = []
+    real_moe = ops.moe
+    monkeypatch.setattr(ops, "moe", lambda *a, **k: calls.append(1) or real_moe(*a, **k))
+    out = MixtureOfExperts(config, weights)(x)
+    assert calls, "the layer must run through ops.moe"
+    expected = torch.empty(tokens, hidden, dtype=torch.float64)
+    w = {n: t.double() for n, t in weights.items()}
+    for t in range(tokens):
+        probs = torch.softmax(w["block_sparse_moe.gate.weight"] @ x[t].double(), dim=-1)
+        top = torch.topk(probs, 2)
+        acc = torch.zeros(hidden, dtype=torch.float64)
+        for p, e in zip(top.values / top.values.sum(), top.indices.tolist(), strict=True):
+            gate = w[f"block_sparse_moe.experts.{e}.w1.weight"] @ x[t].double()
+            up = w[f"block_sparse_moe.experts.{e}.w3.weight"] @ x[t].double()
+            acc += p * (w[f"block_sparse_moe.experts.{e}.w2.weight"] @ (torch.nn.functional.silu(gate) * up))
+        expected[t] = acc
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["Gemma2ForCausalLM"]}, "'Gemma2ForCausalLM': Gemma 2's attention and final logit softcapping"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen-MoE's shared expert is not implemented"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported model architecture .*supported: LlamaForCausalLM"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "unsupported rope type 'yarn'"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_parameters": {"rope_type": "longrope"}},
+     "unsupported rope type 'longrope'"),
+    ({"architectures": ["LlamaForCausalLM"], "final_logit_softcapping": 30.0},
+     "unsupported final_logit_softcapping=30.0: logit softcapping is not implemented"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 16},
+     "use_sliding_window=true: Qwen's per-layer sliding windows"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+    ({"architectures": ["GemmaForCausalLM"], "hidden_act": "relu"}, "unsupported hidden_act 'relu' for Gemma"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "num_experts_per_tok": 3},
+     r"num_experts_per_tok 3 must be in \[1, num_local_experts=2\]"),
+])
+def test_unsupported_architectures_and_features_are_refused_by_name(config, message):
+    from kernel_lab.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**BASE, **config})
+
+
+def test_readme_family_table_is_the_registry_and_each_row_has_a_test():
+    from pathlib import Path
+
+    from kernel_lab.models.registry import ARCHITECTURES, family_table, model_class
+
+    readme = (Path(__file__).parent / "README.md").read_text()
+    table = readme.split("<!-- family-table:start -->\n", 1)[1].split("\n<!-- family-table:end -->", 1)[0]
+    assert table == family_table(), "regenerate the README's family table from kernel_lab.models.registry"
+    ids = {f"test_families.py::test_family_matches_transformers[{family}]" for family in FAMILIES}
+    for arch in ARCHITECTURES:
+        assert model_class(arch).family_test in ids, f"{arch}'s row names no test of this file"
+        assert model_class(arch).family_test != model_class("LlamaForCausalLM").family_test or \
+            arch == "LlamaForCausalLM", f"{arch} must have its own test"
+
+
+def write_gguf(checkpoint, path, architecture: str) -> None:
+    """The checkpoint as a float32 GGUF in llama.cpp's layout for `architecture` (tensor names of
+    models/gguf.py, rows unpermuted: qwen3 and gemma use NEOX RoPE; gemma's norms stored as 1 + w, as
+    llama.cpp's converter writes them), with the bundled GGUF's tokenizer."""
+    import json
+
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from kernel_lab.models import gguf as ours
+    from kernel_lab.models.gguf_file import GGUFFile
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(0)  # all F32
+    source = GGUFFile(ours.default_model_path())
+    for name, value in source.metadata.items():
+        if name.startswith("tokenizer."):
+            value_type, item_type = source.value_types[name]
+            writer.add_key_value(name, value, gguf.GGUFValueType(value_type),
+                                 sub_type=None if item_type is None else gguf.GGUFValueType(item_type))
+    layer_names = {hf: g for g, hf in ours._LAYER_TENSORS.items()}
+    global_names = {hf: g for g, hf in ours._GLOBAL_TENSORS.items()}
+    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
+        stem = name.removesuffix(".weight")
+        if stem in global_names:
+            gguf_name = global_names[stem]
+        else:
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{layer_names[part]}"
+        if architecture == "gemma" and stem.endswith("norm"):
+            tensor = tensor.float() + 1.0
+        writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_gguf_matches_transformers_and_llama_cpp(family, tmp_path, checkpoints, monkeypatch):
+    """A Qwen3 GGUF (q/k norms as attn_q_norm / attn_k_norm) and a Gemma one ((1 + w) norms, tied output):
+    our engine on it matches transformers on the checkpoint; where .venv-llamacpp exists, llama.cpp's greedy
+    tokens on the same file do too, which checks the layout the file is written in."""
+    from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, run_llama_cpp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    checkpoint = checkpoints(family)
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(checkpoint, path, family)
+    prompt_ids, ours, our_logprobs = engine_greedy(path, "fused")
+    theirs, their_logprobs = transformers_greedy(checkpoint, prompt_ids)
+    assert ours == theirs
+    torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
+    if not DEFAULT_LLAMA_CPP_PYTHON.exists():
+        pytest.skip("llama.cpp's side needs .venv-llamacpp (make llama-cpp-env)")
+    result = run_llama_cpp(DEFAULT_LLAMA_CPP_PYTHON, {"model": str(path), "prompts": prompt_ids[:2],
+                                                      "output_len": NEW_TOKENS, "concurrency": 1, "threads": 1,
+                                                      "warmup": False})
+    assert result["outputs"] == theirs[:2]
