@@ -99,6 +99,10 @@ class OutputProcessor:
             out.logprobs.append(entry)
             out.cumulative_logprob += result.logprob
 
+        if seq.matcher is not None and (not seq.matcher.accept_token(token) or seq.matcher.is_terminated()):
+            # the grammar is complete (it accepted a stop token) and the output matches it
+            self._finish(seq, "stop", None, token_text=False)
+            return
         if token in params.stop_token_ids:
             self._finish(seq, "stop", token, token_text=params.include_stop_str_in_output)
             return

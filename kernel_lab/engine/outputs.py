@@ -41,6 +41,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    error: Exception | None = None  # the request was refused after add_request (its grammar failed to compile)
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
