@@ -29,6 +29,7 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(body, max_tokens, top if body.logprobs else None)
         jobs = [Job(0, ids, None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await self.check_grammar(params)
         self.submit(jobs, request_id, params, arrival)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id), jobs)

@@ -31,6 +31,7 @@ class CompletionServing(OpenAIServing):
                                      "max_tokens")
         params = self.sampling_params(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        await self.check_grammar(params)
         self.submit(jobs, request_id, params, arrival)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id), jobs)
