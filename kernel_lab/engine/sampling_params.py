@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -98,6 +99,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {RULES[name]}, "
                                  f"got {value!r}")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        if not satisfies("top_p", struct.unpack("f", struct.pack("f", self.top_p))[0]):  # the sampler's float32
+            raise ValueError(f"top_p must be a number {RULES['top_p']} in float32, got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

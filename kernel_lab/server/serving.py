@@ -230,7 +230,9 @@ class OpenAIServing:
                     continue
                 offset = sent_chars.get(key, 0)
                 choice = make_choice(job, out, offset)
-                choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason if final else None)
+                # a choice may restate its finish reason (a chat that made tool calls says "tool_calls")
+                choice.update(finish_reason=choice.get("finish_reason", out.finish_reason),
+                              stop_reason=out.stop_reason if final else None)
                 choices.append(choice)
                 sent_chars[key] = offset + len(out.text)
                 if final:

@@ -313,3 +313,35 @@ def test_structured_output_errors_are_400_and_nothing_leaks(live_server, client,
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client.completions.create(model=model, prompt="x", max_tokens=4, frequency_penalty=3)
     live_server.wait_idle(30)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_streams_and_round_trips_through_a_tool_message(live_server, client, model, tool_choice):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=tool_choice,
+                                         temperature=0, max_tokens=60)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=tool_choice,
+                                                temperature=0, max_tokens=60, stream=True):
+        for ch in chunk.choices:
+            pieces += ch.delta.tool_calls or []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert reasons == ["tool_calls"] and pieces[0].function.name == "get_weather" and pieces[0].id
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == json.loads(call.function.arguments)
+    history = ask + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=8)
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        client.chat.completions.create(model=model, messages=ask, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    live_server.wait_idle(30)
