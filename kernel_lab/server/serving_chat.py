@@ -88,26 +88,8 @@ class ChatServing(OpenAIServing):
         return {"role": "assistant", "content": out.text}, out.finish_reason
 
     def _render(self, body: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for m in body.messages:
-            message = {"role": m.role, "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools and body.tool_choice != "none":
-            kwargs["tools"] = body.tools
-        try:
-            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - a template refusal is the client's error
-            raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages") from exc
-        if not ids:
-            raise bad_request("messages render to an empty prompt", "messages")
-        return ids
+        tools = body.tools if body.tool_choice != "none" else None
+        return render_messages(self.tokenizer, body.messages, tools, body.chat_template_kwargs)
 
     def _stream(self, body: ChatCompletionRequest, jobs: list[Job], request_id: str, forced: bool = False):
         top = body.top_logprobs or 0
@@ -133,6 +115,28 @@ class ChatServing(OpenAIServing):
             return result
 
         return self.stream(body, jobs, request_id, "chat.completion.chunk", roles, choice)
+
+
+def render_messages(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=True) -> list[int]:
+    """Token ids of a conversation through the chat template (tools and template kwargs passed to it); a
+    template refusal or an empty rendering is a 400 naming `messages`."""
+    rendered = []
+    for m in messages:
+        message = {"role": m.role, "content": m.text()}
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
+        rendered.append(message)
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        ids = list(tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - a template refusal is the client's error
+        raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages") from exc
+    if not ids:
+        raise bad_request("messages render to an empty prompt", "messages")
+    return ids
 
 
 def _merge_deltas(deltas: list[dict]) -> dict:

@@ -71,3 +71,18 @@ def test_tool_choice_none_leaves_the_text_and_history_with_tool_messages_renders
 def test_bad_tool_choice_is_400(fake_server, body, param):
     rsp = _chat(fake_server(), **body)
     assert rsp.status_code == 400 and rsp.json()["error"]["param"] == param, rsp.text
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(fake_server):
+    server = fake_server()
+    out = HTTP.post(server.url + "/tokenize", json={"prompt": "abc"}).json()
+    assert out["tokens"] == server.engine.tokenizer.encode("abc") and out["count"] == 4
+    assert out["max_model_len"] == 256 and out["token_strs"] is None
+    chat = HTTP.post(server.url + "/tokenize", json={"messages": MSG, "tools": TOOLS}).json()
+    assert chat["tokens"] == server.engine.tokenizer.apply_chat_template(MSG, tools=TOOLS)
+    back = HTTP.post(server.url + "/detokenize", json={"tokens": out["tokens"][1:]}).json()
+    assert back == {"prompt": "abc"}
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**6]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model")):
+        rsp = HTTP.post(server.url + path, json=body)
+        assert rsp.status_code in (400, 404) and rsp.json()["error"]["param"] == param, rsp.text
