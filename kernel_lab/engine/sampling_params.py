@@ -62,6 +62,9 @@ class SamplingParams:
       generated), allowed_token_ids, bad_words (strings; the engine tokenises them): the logits processors
       (logits_processors.py), applied in vLLM's order before temperature, min_p, top-k and top-p.
     - structured_outputs: a StructuredOutputSpec (structured_output.py) the output must match.
+    - prompt_logprobs: the logprob of every prompt token after the first (and this many top candidates),
+      in RequestOutput.prompt_logprobs; such a request bypasses prefix-cache reads (every prompt row goes
+      through lm_head) and may ask for max_tokens=0 (score only).
 
     The reported logprobs are the raw model's, taken before every processor (vLLM's default)."""
 
@@ -88,6 +91,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputSpec | None = None
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -103,8 +107,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number {RULES['top_p']} in float32, got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # max_tokens=0: score the prompt only
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < least):
+            raise ValueError(f"max_tokens must be an integer >= {least} or None, got {self.max_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -77,6 +77,9 @@ class Request:
         self.controls = None                    # SamplingControls: the logits processors' inputs, if any
         self.grammar = None                     # GrammarRequest, when the output is structured
         self.error: Exception | None = None     # why the engine refused it after add_request (a bad grammar)
+        # SamplingParams.prompt_logprobs: per prompt position, {token id: Logprob} (None for the first)
+        self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
+            else None
         self.seqs = [Sequence(self, i, prompt_token_ids, arrival) for i in range(params.n)]
 
     @property

@@ -105,7 +105,7 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0: score the prompt (echo with logprobs)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)

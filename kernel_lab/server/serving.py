@@ -41,10 +41,13 @@ class Job:
         self.stream: RequestStream | None = None
         self.completion_tokens = 0
         self.finished = False
+        self.prompt_logprobs: list | None = None
 
     def count(self, delta: RequestOutput) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
         self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class OpenAIServing:
@@ -114,7 +117,8 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
-                        structured: StructuredOutputSpec | None = None) -> SamplingParams:
+                        structured: StructuredOutputSpec | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams; a value it refuses is a 400 naming the parameter. `structured`: a
         spec the endpoint made itself (a forced tool call); else the request's structured-output fields."""
         try:
@@ -127,7 +131,8 @@ class OpenAIServing:
                 seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, structured_outputs=structured, **controls)
+                skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
+                prompt_logprobs=prompt_logprobs, **controls)
             params.check_vocab(self.engine.config.vocab_size)
             return params
         except (ValueError, TypeError) as exc:

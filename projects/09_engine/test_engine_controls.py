@@ -135,3 +135,24 @@ def test_bad_control_values_name_the_parameter(engine):
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("x", PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
     assert "x" not in engine.requests
+
+
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(engine):
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = engine.tokenizer.encode(prompt)
+    _run(engine, [prompt], SamplingParams(temperature=0, max_tokens=2))   # fills the prefix cache
+    hits_before = engine.stats()["prefix_cache_hits"]
+    (out,) = _run(engine, [prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))
+    assert engine.stats()["prefix_cache_hits"] == hits_before  # no cache reads for a scored prompt
+    lps = out.prompt_logprobs
+    assert len(lps) == len(ids) and lps[0] is None and out.outputs[0].token_ids == []
+    assert out.outputs[0].finish_reason == "length"
+    assert all(len(lps[i]) in (2, 3) and ids[i] in lps[i] for i in range(1, len(ids)))
+    # the reference: the raw logprob of token ids[i] after ids[:i], as generation reports it (the token
+    # forced by allowed_token_ids, whose logprobs are taken before the processors)
+    for i in (1, 4, len(ids) - 1):
+        forced = SamplingParams(temperature=0, max_tokens=1, logprobs=0, allowed_token_ids=[ids[i]])
+        (gen,) = _run(engine, [ids[:i]], forced)
+        expect = gen.outputs[0].logprobs[0][ids[i]]
+        assert lps[i][ids[i]].logprob == pytest.approx(expect.logprob, abs=1e-3)
+        assert lps[i][ids[i]].rank == expect.rank

@@ -133,6 +133,8 @@ class FakeEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: the fake engine has no model to score prompts with")
         if request_id in self.ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -298,7 +298,9 @@ def expect_error(rsp: httpx.Response, status: int, param: str | None = None) -> 
         ({"prompt": [[]]}, None),
         ({"prompt": [-1]}, None),
         ({"prompt": [10**6]}, "prompt"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "prompt_logprobs"),  # the fake has no model to score with
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({}, "prompt"),
     ],

@@ -345,3 +345,20 @@ def test_forced_tool_call_streams_and_round_trips_through_a_tool_message(live_se
         client.chat.completions.create(model=model, messages=ask, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     live_server.wait_idle(30)
+
+
+def test_echo_scoring_returns_a_logprob_for_every_prompt_token_after_the_first(live_server, client, model):
+    prompt = "The capital of France is Paris."
+    scored = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    ids = live_server.engine.tokenizer.encode(prompt)
+    lp = choice.logprobs
+    assert choice.text == prompt and len(lp.tokens) == len(ids) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == prompt and lp.text_offset[1] == len(lp.tokens[0])
+    both = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=0, max_tokens=3, temperature=0)
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    assert both.choices[0].logprobs.token_logprobs[0] is None
+    assert both.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    live_server.wait_idle(30)
