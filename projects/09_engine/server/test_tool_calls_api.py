@@ -86,3 +86,13 @@ def test_tokenize_and_detokenize_in_vllms_shapes(fake_server):
                               ("/tokenize", {"prompt": "x", "model": "other"}, "model")):
         rsp = HTTP.post(server.url + path, json=body)
         assert rsp.status_code in (400, 404) and rsp.json()["error"]["param"] == param, rsp.text
+
+
+def test_chat_template_flag_reads_a_file_or_the_text(tmp_path):
+    from kernel_lab.server.launch import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    assert read_chat_template(None) is None
