@@ -142,6 +142,31 @@ class RequestResult:
     text: str = ""
 
 
+# The JSON-schema workload: every request's output is constrained to this schema (a long array of short
+# records, so that a grammar-constrained output can run as long as a free one), through the structured-output
+# field of the endpoint: response_format on chat, vLLM's structured_outputs on completions.
+BENCH_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24}},
+        "required": ["id", "name"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False,
+}
+STRUCTURED_OUTPUTS = ("none", "json-schema")
+
+
+def structured_output_fields(kind: str, chat: bool) -> dict:
+    """The request fields of a `--structured-output` workload ({} for none)."""
+    if kind == "none":
+        return {}
+    if kind != "json-schema":
+        raise ValueError(f"structured output must be one of {STRUCTURED_OUTPUTS}, got {kind!r}")
+    if chat:
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "bench", "schema": BENCH_JSON_SCHEMA, "strict": True}}}
+    return {"structured_outputs": {"json": BENCH_JSON_SCHEMA}}
+
+
 async def send_request(
     client,
     url: str,
@@ -152,6 +177,7 @@ async def send_request(
     ignore_eos: bool,
     api_key: str | None,
     timeout_s: float,
+    structured_output: str = "none",
 ) -> RequestResult:
     chat = endpoint.endswith("/chat/completions")
     payload = {
@@ -167,6 +193,7 @@ async def send_request(
         payload["prompt"] = request.prompt
     if ignore_eos:
         payload["ignore_eos"] = True
+    payload.update(structured_output_fields(structured_output, chat))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = RequestResult(prompt_len=request.prompt_len)
     chunks: list[str] = []
@@ -230,6 +257,7 @@ async def run_benchmark(
     api_key: str | None,
     timeout_s: float = 600.0,
     progress: bool = False,
+    structured_output: str = "none",
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -253,6 +281,7 @@ async def run_benchmark(
                     ignore_eos=ignore_eos,
                     api_key=api_key,
                     timeout_s=timeout_s,
+                    structured_output=structured_output,
                 )
             done += 1
             if progress:
@@ -371,6 +400,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on requests in flight; a comma list runs one benchmark per value",
     )
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--structured-output", default="none", choices=STRUCTURED_OUTPUTS,
+                        help="json-schema: constrain every output to BENCH_JSON_SCHEMA (compare with none for the "
+                             "cost of structured output)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument(
@@ -428,6 +460,7 @@ def benchmark_once(
             api_key=args.api_key,
             timeout_s=args.timeout,
             progress=sys.stderr.isatty(),
+            structured_output=args.structured_output,
         )
     )
     rate = args.request_rate
@@ -449,6 +482,7 @@ def benchmark_once(
             "range_ratio": args.range_ratio if args.dataset_name == "random" else 0.0,
             "seed": args.seed,
             "ignore_eos": args.ignore_eos,
+            "structured_output": args.structured_output,
         },
         "request_rate": "inf" if rate == float("inf") else rate,
         "burstiness": args.burstiness,
@@ -529,6 +563,7 @@ def run_bench_serve(args) -> int:
             out.mkdir(parents=True, exist_ok=True)
             name = (
                 f"{_slug(server_label)}-{args.dataset_name}-in{args.input_len}-out{args.output_len}-"
+                f"{'' if args.structured_output == 'none' else args.structured_output + '-'}"
                 f"c{concurrency or 'inf'}-r{record['request_rate']}.json"
             )
             (out / name).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")

@@ -97,7 +97,8 @@ class BlockManager:
         """Admit a sequence that holds no blocks: reuse its cached prefix, then take blocks for
         `num_new_tokens` more tokens. Sets num_computed_tokens to the cached length. All or nothing."""
         assert not seq.block_table, "allocate() is for sequences without blocks"
-        hits = self._lookup(seq)
+        # prompt logprobs need every prompt row's logits: nothing may come from the cache
+        hits = [] if seq.params.prompt_logprobs is not None else self._lookup(seq)
         num_cached = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, seq.num_tokens - num_cached)
         needed_new = self.blocks_for(num_cached + num_new_tokens) - len(hits)

@@ -44,7 +44,8 @@ class EngineTokenizer(Protocol):
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """template_kwargs: `tools` and the request's chat_template_kwargs, passed to the template."""
 
 
 @runtime_checkable

@@ -15,12 +15,14 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.layers.linear import QuantizedLinear
+from kernel_lab.ops import topk
 from kernel_lab.ops.cpu_kernels import load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
 from .config import EngineConfig
+from .outputs import Logprob
 from .sampler import Sampler, SampleResult
 from .sequence import Sequence
 
@@ -44,6 +46,7 @@ class StepInputs:
     sample_rows: list[int]
     sample_seqs: list[Sequence]
     row_seqs: list[Sequence]
+    prompt_chunks: list[tuple[Sequence, int, int, int]]   # (seq, first row, rows, first position): scored
 
 
 class ModelRunner:
@@ -161,7 +164,7 @@ class ModelRunner:
         decodes = [(s, n) for s, n in items if n == 1]
         prefills = [(s, n) for s, n in items if n > 1]
         input_ids, positions, slots, sample_rows, sample_seqs = [], [], [], [], []
-        prefix_slots, chunk_specs, row_seqs = [], [], []
+        prefix_slots, chunk_specs, row_seqs, prompt_chunks = [], [], [], []
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             row0 = len(input_ids)
@@ -172,11 +175,13 @@ class ModelRunner:
             if n > 1:
                 chunk_specs.append((row0, row0 + n, start, len(prefix_slots)))
                 prefix_slots += self._slots(seq, 0, start)
+            if seq.request.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
+                prompt_chunks.append((seq, row0, n, start))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         return StepInputs(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs,
-                          row_seqs)
+                          row_seqs, prompt_chunks)
 
     def _query_tables(self, seqs: list[Sequence], positions: list[int], width: int | None = None):
         """Block tables (padded to `width`) and context lengths of queries at `positions` of `seqs`."""
@@ -206,7 +211,8 @@ class ModelRunner:
         sample, those sequences)."""
         self.reset_fresh_blocks(fresh_blocks)
         step = self._prepare(items)
-        if self.static_decode and not step.chunk_specs and len(step.decodes) <= self.max_num_seqs:
+        if self.static_decode and not step.chunk_specs and not step.prompt_chunks \
+                and len(step.decodes) <= self.max_num_seqs:
             logits = self._run_static_decode(step)
             if len(step.sample_rows) != len(step.decodes):  # some rows were one-token chunks of a prompt
                 logits = logits[self._to_device("rows", step.sample_rows, torch.int64)]
@@ -232,7 +238,28 @@ class ModelRunner:
         self._check_step_inputs(meta)
         hidden = self.model(self._to_device("ids", step.input_ids, torch.int64),
                             self._to_device("positions", step.positions, torch.int64), self.layer_caches, meta)
+        if step.prompt_chunks:
+            self._score_prompts(step.prompt_chunks, hidden)
         return self.model.compute_logits(hidden[self._to_device("rows", step.sample_rows, torch.int64)])
+
+    def _score_prompts(self, chunks, hidden: torch.Tensor) -> None:
+        """Prompt logprobs: lm_head over the rows of the chunks that asked (only those), and each row's
+        logprob of the prompt's next token, with its rank and the top candidates, into the request."""
+        for seq, row0, n, start in chunks:
+            end = min(start + n, seq.num_prompt_tokens - 1)   # the last prompt row predicts no prompt token
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0:row0 + end - start]).float(), dim=-1)
+            targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+            k = seq.params.prompt_logprobs
+            tops = [[] for _ in ranks]
+            if k:
+                values, ids = topk(logprobs, k)
+                tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            for i, (lp, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks, strict=True)):
+                entry = {t: Logprob(v, r) for r, (t, v) in enumerate(tops[i], start=1)}
+                entry.setdefault(int(targets[i]), Logprob(lp, rank))
+                seq.request.prompt_logprobs[start + 1 + i] = entry
 
     def _check_step_inputs(self, meta: AttentionMetadata) -> None:
         """Slot and block-table values, checked once per step so the layers' kernels skip it. Host-side

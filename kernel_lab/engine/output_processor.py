@@ -90,6 +90,9 @@ class OutputProcessor:
     def append_token(self, result: SampleResult) -> None:
         seq, token = result.seq, result.token_id
         params, out = seq.params, seq.output
+        if params.max_tokens == 0:  # scoring only: the prompt's logprobs are the answer
+            self._finish(seq, "length", None)
+            return
         seq.token_ids.append(token)
         if out.logprobs is not None:
             decode = self.tokenizer.decode
@@ -99,6 +102,10 @@ class OutputProcessor:
             out.logprobs.append(entry)
             out.cumulative_logprob += result.logprob
 
+        if seq.matcher is not None and (not seq.matcher.accept_token(token) or seq.matcher.is_terminated()):
+            # the grammar is complete (it accepted a stop token) and the output matches it
+            self._finish(seq, "stop", None, token_text=False)
+            return
         if token in params.stop_token_ids:
             self._finish(seq, "stop", token, token_text=params.include_stop_str_in_output)
             return
@@ -162,7 +169,8 @@ class OutputProcessor:
             ))
             out.emitted_tokens, out.emitted_chars = seq.num_output_tokens, visible
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, num_cached_tokens=max(s.num_cached_tokens for s in request.seqs))
+                             request.finished, num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+                             prompt_logprobs=request.prompt_logprobs if request.finished else None)
 
 
 def visible_length(seq: Sequence) -> int:

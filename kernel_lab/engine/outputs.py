@@ -41,6 +41,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    error: Exception | None = None  # the request was refused after add_request (its grammar failed to compile)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: in the request's final output
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -58,4 +60,4 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         merged.append(CompletionOutput(index, text, token_ids, parts[-1].cumulative_logprob, logprobs,
                                        parts[-1].finish_reason, parts[-1].stop_reason, token_ids, text))
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged, last.finished,
-                         last.num_cached_tokens)
+                         last.num_cached_tokens, prompt_logprobs=last.prompt_logprobs)

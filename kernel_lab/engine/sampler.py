@@ -1,5 +1,9 @@
-"""From a step's logits to one token per sequence: greedy or seeded sampling (`ops.sample`), with the
-sampled token's logprob, rank and the top-k logprobs when the request asks for them."""
+"""From a step's logits to one token per sequence, in vLLM's order: the logits processors (penalties,
+logit_bias, min_tokens, allowed ids, bad words: logits_processors.py), the grammar's token bitmask
+(`ops.apply_token_bitmask`, one matcher per constrained sequence), min_p, then greedy or seeded sampling
+(`ops.sample`: temperature, top-k, top-p). Every stage is a batched op over the rows that use it, and each
+row's result depends on nothing but that row, so seeded sampling stays batch-invariant. The sampled token's
+logprob, rank and the top-k logprobs (when asked) are the raw model's, taken before any processor."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 
 from kernel_lab import ops
 
+from .grammar import fill_step_bitmask
+from .logits_processors import apply_logits_processors, apply_min_p, build_logits_state
 from .sequence import Sequence
 
 
@@ -42,13 +48,18 @@ class Sampler:
         if not seqs:
             return []
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+        to_device = self._to_device
+        temperature = None
+        if not all(p.greedy for p in params):
+            temperature = to_device("temperature", [0.0 if p.greedy else p.temperature for p in params],
+                                    torch.float32)
+        processed = self.process(logits, seqs, temperature)
+        if temperature is None:
+            tokens = processed.argmax(dim=-1)
         else:
-            to_device = self._to_device
             tokens = ops.sample(
-                logits,
-                to_device("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
+                processed,
+                temperature,
                 top_k=to_device("top_k", [max(p.top_k, 0) for p in params], torch.int32),
                 top_p=to_device("top_p", [p.top_p for p in params], torch.float32),
                 seed=to_device("seed", [self.step_seed(s) for s in seqs], torch.int64),
@@ -57,6 +68,29 @@ class Sampler:
         if all(w is None for w in want):
             return [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
         return _with_logprobs(logits, tokens, seqs, want)
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence], temperature: torch.Tensor | None) -> torch.Tensor:
+        """The logits after the processors, the grammar's bitmask and min_p: a float32 copy (the raw
+        logits stay for the logprobs), or `logits` itself when no row uses any of them."""
+        controls = [s.request.controls for s in seqs]
+        matchers = [s.matcher for s in seqs]
+        if not any(controls) and not any(m is not None for m in matchers):
+            return logits
+        out = logits.to(torch.float32, copy=True)
+        state = None
+        if any(controls):
+            state = build_logits_state(
+                controls, [s.token_ids[:s.num_prompt_tokens] if c else () for s, c in zip(seqs, controls)],
+                [s.output_token_ids if c else () for s, c in zip(seqs, controls)], out.shape[1], out.device)
+            apply_logits_processors(out, state)
+        masked = fill_step_bitmask(matchers)
+        if masked is not None:
+            bitmask, rows = masked
+            ops.apply_token_bitmask(out, bitmask.to(out.device, non_blocking=True),
+                                    rows.to(out.device, non_blocking=True), validate=False)
+        if state is not None and state.min_p is not None and temperature is not None:
+            apply_min_p(out, state.min_p, temperature)
+        return out
 
 
 def _with_logprobs(logits, tokens, seqs, want) -> list[SampleResult]:

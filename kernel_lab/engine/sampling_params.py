@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kernel_lab.ops.sampling_rules import BOUNDS, RULES, satisfies
+
+from .logits_processors import (
+    SamplingControls,
+    validate_allowed_token_ids,
+    validate_frequency_penalty,
+    validate_logit_bias,
+    validate_min_p,
+    validate_min_tokens,
+    validate_presence_penalty,
+    validate_repetition_penalty,
+)
+from .structured_output import StructuredOutputSpec
 
 SAMPLING_BOUNDS = BOUNDS  # for the layers above, which may not import ops
 
@@ -43,7 +56,17 @@ class SamplingParams:
     - logprobs: return the log-probabilities of this many most likely tokens (and of the sampled one) at
       every step; the values come from the model's raw logits (before temperature, top-k and top-p).
     - detokenize: produce text (off: token ids only, as vLLM's detokenize=False; stop strings need it).
-    - output_kind: cumulative outputs every step (default), deltas, or only the final output."""
+    - output_kind: cumulative outputs every step (default), deltas, or only the final output.
+    - presence_penalty, frequency_penalty (in [-2, 2]), repetition_penalty (> 0), logit_bias ({token id:
+      bias in [-100, 100]}), min_p (in [0, 1]), min_tokens (stop tokens held back until this many were
+      generated), allowed_token_ids, bad_words (strings; the engine tokenises them): the logits processors
+      (logits_processors.py), applied in vLLM's order before temperature, min_p, top-k and top-p.
+    - structured_outputs: a StructuredOutputSpec (structured_output.py) the output must match.
+    - prompt_logprobs: the logprob of every prompt token after the first (and this many top candidates),
+      in RequestOutput.prompt_logprobs; such a request bypasses prefix-cache reads (every prompt row goes
+      through lm_head) and may ask for max_tokens=0 (score only).
+
+    The reported logprobs are the raw model's, taken before every processor (vLLM's default)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -59,6 +82,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputSpec | None = None
+    prompt_logprobs: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -70,10 +103,17 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {RULES[name]}, "
                                  f"got {value!r}")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        if not satisfies("top_p", struct.unpack("f", struct.pack("f", self.top_p))[0]):  # the sampler's float32
+            raise ValueError(f"top_p must be a number {RULES['top_p']} in float32, got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # max_tokens=0: score the prompt only
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < least):
+            raise ValueError(f"max_tokens must be an integer >= {least} or None, got {self.max_tokens!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -88,6 +128,36 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.presence_penalty = validate_presence_penalty(self.presence_penalty)
+        self.frequency_penalty = validate_frequency_penalty(self.frequency_penalty)
+        self.repetition_penalty = validate_repetition_penalty(self.repetition_penalty)
+        self.min_p = validate_min_p(self.min_p)
+        self.min_tokens = validate_min_tokens(self.min_tokens, self.max_tokens)
+        # Token ranges need the vocabulary: check_vocab (the engine calls it in add_request).
+        self.logit_bias = validate_logit_bias(self.logit_bias, 1 << 62)
+        self.allowed_token_ids = validate_allowed_token_ids(self.allowed_token_ids, 1 << 62)
+        words = self.bad_words or []
+        if isinstance(words, str) or not all(isinstance(w, str) and w for w in words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        self.bad_words = list(words)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputSpec):
+            raise ValueError(f"structured_outputs must be a StructuredOutputSpec, got {self.structured_outputs!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token-id ranges of logit_bias and allowed_token_ids, which need the vocabulary size."""
+        validate_logit_bias(self.logit_bias, vocab_size)
+        validate_allowed_token_ids(self.allowed_token_ids, vocab_size)
+
+    def controls(self, eos_token_ids, bad_words_token_ids=()) -> SamplingControls | None:
+        """This request's logits controls (None when every processor is neutral). `eos_token_ids` is what
+        min_tokens holds back besides stop_token_ids (nothing with ignore_eos)."""
+        stops = tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))))
+        controls = SamplingControls(
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or None, min_p=self.min_p,
+            min_tokens=self.min_tokens, stop_token_ids=stops if self.min_tokens else (),
+            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(bad_words_token_ids))
+        return None if controls == SamplingControls() else controls
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.output = None                      # the OutputProcessor's text and logprob state
+        self.matcher = None                     # the grammar's SequenceMatcher, when structured
 
     @property
     def params(self) -> SamplingParams:
@@ -73,6 +74,12 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.controls = None                    # SamplingControls: the logits processors' inputs, if any
+        self.grammar = None                     # GrammarRequest, when the output is structured
+        self.error: Exception | None = None     # why the engine refused it after add_request (a bad grammar)
+        # SamplingParams.prompt_logprobs: per prompt position, {token id: Logprob} (None for the first)
+        self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
+            else None
         self.seqs = [Sequence(self, i, prompt_token_ids, arrival) for i in range(params.n)]
 
     @property

@@ -3,6 +3,7 @@ API-key check and the engine's lifespan.
 
     POST /v1/completions        legacy completions              serving_completion.py
     POST /v1/chat/completions   chat, through the chat template  serving_chat.py
+    POST /tokenize, /detokenize vLLM's shapes                   serving_tokenization.py
     GET  /v1/models             the one served model
     GET  /health                200 ready, 503 still loading, 500 engine dead
     GET  /metrics               Prometheus text format (see metrics.py)
@@ -26,12 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import serving_chat, serving_completion
+from . import serving_chat, serving_completion, serving_tokenization
 from .async_engine import AsyncEngine
 from .protocol import APIError, bad_request, engine_error, validation_message
 from .serving import OpenAIServing
 
-ENDPOINTS = ((serving_completion, serving_completion.CompletionServing), (serving_chat, serving_chat.ChatServing))
+ENDPOINTS = ((serving_completion, serving_completion.CompletionServing), (serving_chat, serving_chat.ChatServing),
+             (serving_tokenization, serving_tokenization.TokenizationServing))
 
 
 class BearerAuth:

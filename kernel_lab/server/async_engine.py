@@ -51,7 +51,7 @@ class QueueFull(RuntimeError):
 
 
 class RequestRejected(ValueError):
-    """The engine refused the request in add_request (HTTP 400)."""
+    """The engine refused the request in add_request, or later (its grammar failed): HTTP 400."""
 
 
 class _Tracked:
@@ -326,6 +326,10 @@ class AsyncEngine:
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
+                continue
+            if output.error is not None:
+                del self._tracked[output.request_id]
+                batch.append((output.request_id, RequestRejected(str(output.error))))
                 continue
             for completion in output.outputs:
                 new = len(completion.token_ids)

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
 
@@ -46,7 +47,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound on requests waiting for their first token; beyond it the server answers 429 with Retry-After",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template text) in place of the model's")
     add_engine_arguments(parser)
+
+
+def read_chat_template(spec: str | None) -> str | None:
+    """--chat-template: a file's contents, or the text itself (vLLM accepts both)."""
+    if spec is None:
+        return None
+    path = Path(spec)
+    return path.read_text() if path.is_file() else spec
 
 
 def run_serve(args) -> int:
@@ -67,12 +78,16 @@ def run_serve(args) -> int:
         print("--max-waiting must be at least 1", file=sys.stderr)
         return 2
     kwargs = engine_kwargs(args)
+    chat_template = read_chat_template(args.chat_template)
 
     def build_engine():
         from kernel_lab.engine import LLMEngine
 
         log.info("loading the engine: %s", {k: v for k, v in kwargs.items() if v is not None})
-        return LLMEngine(**kwargs)
+        engine = LLMEngine(**kwargs)
+        if chat_template is not None:
+            engine.tokenizer.chat_template_source, engine.tokenizer._chat_template = chat_template, None
+        return engine
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
     app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model)

@@ -44,6 +44,22 @@ def completion_logprobs(out: CompletionOutput, text_offset: int, k: int, token_t
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs(prompt_ids: list[int], entries: list | None, k: int, token_text: Callable[[int], str]) -> dict:
+    """The echoed prompt's part of a completion's logprobs: the first token's logprob is null (OpenAI's
+    API), every later one's comes from the engine's prompt_logprobs."""
+    entries = entries or [None] * len(prompt_ids)
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        text = token_text(token)
+        items = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: -kv[1]) if entry else []
+        tokens.append(text)
+        token_lps.append(None if entry is None else finite(entry[token].logprob))
+        tops.append(None if entry is None else {token_text(t): finite(lp) for t, lp in items[:k]} if k else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
 def chat_logprobs(out: CompletionOutput, k: int, token_text: Callable[[int], str]) -> list[dict]:
     def entry(token: int, logprob: float | None) -> dict:
         text = token_text(token)

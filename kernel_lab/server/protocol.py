@@ -2,15 +2,14 @@
 rejected, explicit nulls meaning "default"), the OpenAI-shaped error type, and the mapping from engine
 exceptions and validation failures to status codes and messages.
 
-Supported: /v1/completions and /v1/chat/completions with temperature, top_p, top_k, seed, stop (up to 16
-strings), stop_token_ids, n (up to 128), stream and stream_options, ignore_eos, logprobs (up to 20),
-max_tokens / max_completion_tokens, echo (without logprobs). Refused with 400: penalties, logit_bias,
-suffix, tools, best_of other than n, response formats other than text.
+Every field and its status: projects/09_engine/SERVER.md. Refused with 400: suffix, best_of other than n,
+echo with logprobs, and any unknown field (one that would change the output and is not implemented).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -64,30 +63,35 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # the logits processors (engine/logits_processors.py validates them: SamplingParams reports a bad value)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="vLLM extension")
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, description="vLLM extension")
+    min_tokens: int | None = Field(None, description="vLLM extension")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM extension")
+    bad_words: list[str] | None = Field(None, description="vLLM extension")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # structured outputs (engine/structured_output.py reads them from the request as it came)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted and ignored: they change nothing in the output here
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     @field_validator("stream_options")
     @classmethod
     def _options_need_stream(cls, value, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value):
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported by this server; leave them unset or 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
         return value
 
 
@@ -101,7 +105,7 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0: score the prompt (echo with logprobs)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -125,6 +129,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -134,25 +139,24 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tool calling is not supported by this server")
+    def _tools_are_functions(cls, value):
+        for tool in value or ():
+            if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) \
+                    or not isinstance(tool["function"].get("name"), str):
+                raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
         return value
 
 
@@ -179,6 +183,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+_PARAM = re.compile(r"^(?:conflicting structured-output fields )?([a-z_]+(?:\.[a-z_]+)*)\b")
+
+
+def param_named(message: str) -> str | None:
+    """The request field an engine message starts with (its validation messages name the field first)."""
+    match = _PARAM.match(message)
+    return match.group(1) if match else None
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
@@ -195,7 +208,7 @@ def engine_error(exc: Exception) -> APIError:
             headers={"Retry-After": str(exc.retry_after_s)},
         )
     if isinstance(exc, RequestRejected):
-        return bad_request(str(exc))
+        return bad_request(str(exc), param_named(str(exc)))
     if isinstance(exc, EngineDead):
         return APIError(500, str(exc), type="server_error", code="engine_dead")
     log.exception("unexpected error", exc_info=exc)

@@ -19,12 +19,14 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kernel_lab.engine.grammar import GrammarCompileError
 from kernel_lab.engine.interface import Engine
 from kernel_lab.engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
+from kernel_lab.engine.structured_output import StructuredOutputSpec, parse_structured_output
 
 from .async_engine import AsyncEngine, EngineDead, EngineNotReady, QueueFull, RequestRejected, RequestStream
-from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error
+from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error, param_named
 
 log = logging.getLogger("kernel_lab.server")
 
@@ -39,10 +41,13 @@ class Job:
         self.stream: RequestStream | None = None
         self.completion_tokens = 0
         self.finished = False
+        self.prompt_logprobs: list | None = None
 
     def count(self, delta: RequestOutput) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
         self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class OpenAIServing:
@@ -111,16 +116,43 @@ class OpenAIServing:
                               f"{requested} for the completion).", param)
         return requested
 
-    @staticmethod
-    def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputSpec | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams; a value it refuses is a 400 naming the parameter. `structured`: a
+        spec the endpoint made itself (a forced tool call); else the request's structured-output fields."""
         try:
-            return SamplingParams(
+            if structured is None:
+                structured = parse_structured_output(body.model_dump(exclude_none=True))
+            controls = {name: getattr(body, name) for name in _CONTROLS if getattr(body, name) is not None}
+            params = SamplingParams(
                 n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
                 seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+                ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
+                prompt_logprobs=prompt_logprobs, **controls)
+            params.check_vocab(self.engine.config.vocab_size)
+            return params
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"invalid sampling parameters: {exc}") from exc
+            raise bad_request(f"invalid sampling parameters: {exc}", param_named(str(exc))) from exc
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar before it is queued (off the event loop and the engine thread, in
+        the engine's compile service, whose cache the engine then hits): a grammar that fails is a 400 and
+        the engine never sees the request. Engines without a compile service skip this."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if not hasattr(self.engine, "grammar_service"):
+            raise bad_request("this engine has no grammar engine for structured outputs", spec.param)
+        loop = asyncio.get_running_loop()
+        future = await loop.run_in_executor(None, lambda: self.engine.grammar_service.submit(spec))
+        try:
+            await asyncio.wrap_future(future)
+        except GrammarCompileError as exc:
+            raise bad_request(str(exc), spec.param) from exc
 
     def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float) -> None:
         try:
@@ -203,7 +235,9 @@ class OpenAIServing:
                     continue
                 offset = sent_chars.get(key, 0)
                 choice = make_choice(job, out, offset)
-                choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason if final else None)
+                # a choice may restate its finish reason (a chat that made tool calls says "tool_calls")
+                choice.update(finish_reason=choice.get("finish_reason", out.finish_reason),
+                              stop_reason=out.stop_reason if final else None)
                 choices.append(choice)
                 sent_chars[key] = offset + len(out.text)
                 if final:
@@ -233,6 +267,10 @@ class OpenAIServing:
 
         return StreamingResponse(guarded(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+             "allowed_token_ids", "bad_words")
 
 
 def usage(jobs: list[Job]) -> dict:

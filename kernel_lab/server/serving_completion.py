@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 
 from kernel_lab.engine.outputs import CompletionOutput
 
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, prompt_logprobs
 from .protocol import CompletionRequest, bad_request
 from .serving import Job, OpenAIServing
 
@@ -22,15 +22,20 @@ class CompletionServing(OpenAIServing):
         self.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of must equal n (this server does not rank candidates)", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+        scoring = body.echo and body.logprobs is not None   # every prompt token's logprob, then the completion's
+        if scoring and body.stream:
+            raise bad_request("echo with logprobs is not supported when streaming", "echo")
+        if body.max_tokens == 0 and not scoring:
+            raise bad_request("max_tokens=0 needs echo with logprobs (scoring the prompt)", "max_tokens")
         jobs = [self._job(i, prompt) for i, prompt in enumerate(_prompt_list(body.prompt))]
         longest = max(len(job.prompt_ids) for job in jobs)
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
-        max_tokens = self.max_tokens(longest, body.max_tokens if explicit else None, body.max_tokens or 16,
-                                     "max_tokens")
-        params = self.sampling_params(body, max_tokens, body.logprobs)
+        max_tokens = 0 if explicit and body.max_tokens == 0 else \
+            self.max_tokens(longest, body.max_tokens if explicit else None, body.max_tokens or 16, "max_tokens")
+        params = self.sampling_params(body, max_tokens, body.logprobs,
+                                      prompt_logprobs=body.logprobs if scoring else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        await self.check_grammar(params)
         self.submit(jobs, request_id, params, arrival)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id), jobs)
@@ -54,7 +59,13 @@ class CompletionServing(OpenAIServing):
         return job.prompt_text
 
     def _choice(self, body: CompletionRequest, job: Job, out: CompletionOutput) -> dict:
-        logprobs = None if body.logprobs is None else completion_logprobs(out, 0, body.logprobs, self.token_text)
+        logprobs = None
+        if body.logprobs is not None and body.echo:
+            logprobs = prompt_logprobs(job.prompt_ids, job.prompt_logprobs, body.logprobs, self.token_text)
+            after = completion_logprobs(out, len(self._prompt_text(job)), body.logprobs, self.token_text)
+            logprobs = {key: logprobs[key] + after[key] for key in logprobs}
+        elif body.logprobs is not None:
+            logprobs = completion_logprobs(out, 0, body.logprobs, self.token_text)
         return {"index": job.prompt_index * body.n + out.index,
                 "text": self._prompt_text(job) + out.text if body.echo else out.text,
                 "logprobs": logprobs, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}

@@ -53,8 +53,10 @@ class FakeTokenizer:
             out.append(chr(i - 3 + FIRST_CHAR))
         return "".join(out)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if tools:
+            text = "<tools>" + ",".join(t["function"]["name"] for t in tools) + "\n" + text
         if add_generation_prompt:
             text += "<assistant>"
         return self.encode(text)
@@ -83,7 +85,8 @@ def _seq_rng(seq: Sequence) -> random.Random:
 class FakeEngine:
     """Deterministic engine with the LLMEngine surface. `step_delay_s` makes steps slow, and `gate`
     (a threading.Event, set by default) pauses stepping while cleared, for queue-full and disconnect
-    tests. `eos_after` makes greedy sequences end with EOS after that many tokens (None: never)."""
+    tests. `eos_after` makes greedy sequences end with EOS after that many tokens (None: never); `script`
+    makes greedy sequences write that text and then EOS (a scripted model, e.g. one that calls a tool)."""
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class FakeEngine:
         num_kv_blocks: int = 512,
         step_delay_s: float = 0.0,
         eos_after: int | None = None,
+        script: str | None = None,
         load_delay_s: float = 0.0,
         fail_load: str | None = None,
         **_ignored,
@@ -110,6 +114,7 @@ class FakeEngine:
         self.free_blocks = num_kv_blocks
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after
+        self.script = script
         self.gate = threading.Event()
         self.gate.set()
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len, self._release)
@@ -128,6 +133,8 @@ class FakeEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: the fake engine has no model to score prompts with")
         if request_id in self.ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -218,6 +225,8 @@ class FakeEngine:
         pos = seq.num_output_tokens
         if self.eos_after is not None and pos >= self.eos_after and not p.ignore_eos:
             token = EOS
+        elif p.greedy and self.script is not None:
+            token = ord(self.script[pos]) - FIRST_CHAR + 3 if pos < len(self.script) else EOS
         elif p.greedy:
             token = ord(SENTENCE[(self.offsets[req.request_id] + pos) % len(SENTENCE)]) - FIRST_CHAR + 3
         else:

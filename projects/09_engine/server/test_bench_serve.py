@@ -163,3 +163,16 @@ def test_cli_writes_records_and_plots_draw_them(fake_server, tmp_path, monkeypat
     assert [p.name for p in written] == ["throughput_vs_concurrency.png", "latency_percentiles.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
     assert "| fake | 4 |" in plots.table(records)
+
+
+def test_json_schema_workload_sends_one_schema_through_either_endpoint():
+    from kernel_lab.bench.serve import BENCH_JSON_SCHEMA, structured_output_fields
+    from kernel_lab.engine.structured_output import make_spec, parse_structured_output
+
+    expected = make_spec("json", BENCH_JSON_SCHEMA, "x")
+    for chat in (True, False):
+        spec = parse_structured_output(structured_output_fields("json-schema", chat))
+        assert (spec.kind, spec.value) == (expected.kind, expected.value)
+    assert structured_output_fields("none", True) == {}
+    with pytest.raises(ValueError, match="structured output"):
+        structured_output_fields("yaml", False)

@@ -4,7 +4,9 @@ stop strings, seeds, usage, logprobs, errors; and `kernel-lab serve` as a user s
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,3 +248,117 @@ def test_kernel_lab_serve_one_command(live_server):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, proc.stdout.read()[-2000:]
+
+
+# ---------------------------------------------------------------------------- structured outputs, controls
+def test_parse_with_a_nested_pydantic_model_returns_the_object(live_server, client, model):
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    class Trip(pydantic.BaseModel):
+        traveller: str = pydantic.Field(max_length=20)
+        destination: City
+        days: int
+
+    out = client.beta.chat.completions.parse(
+        model=model, temperature=0, max_tokens=120, response_format=Trip,
+        messages=[{"role": "user", "content": "Describe a short trip to Paris as JSON."}])
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Trip) and isinstance(parsed.destination, City)
+    assert out.choices[0].finish_reason == "stop"
+    mode = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=200, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with the keys a and b, both small numbers."}])
+    assert mode.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    live_server.wait_idle(30)
+
+
+def test_regex_and_choice_match_at_temperature_one_and_stream(client, model):
+    regex = r"[A-Z][a-z]{2,6} [0-9]{1,3}"
+    out = client.completions.create(model=model, prompt="Room:", max_tokens=20, temperature=1.0, seed=5, n=3,
+                                    extra_body={"structured_outputs": {"regex": regex}})
+    assert all(re.fullmatch(regex, c.text) for c in out.choices), [c.text for c in out.choices]
+    choices = ["yes", "no", "maybe later"]
+    texts, reasons, _ = collect_stream(client.chat.completions.create(
+        model=model, messages=CHATS[0], temperature=1.3, seed=2, n=2, stream=True, max_tokens=10,
+        extra_body={"guided_choice": choices}), True)
+    assert set(texts.values()) <= set(choices) and set(reasons.values()) == {"stop"}
+
+
+def test_sampling_controls_act_through_the_api(live_server, client, model):
+    base = dict(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    plain = client.completions.create(**base).choices[0]
+    first = plain.text.split()[0] if plain.text.split() else plain.text
+    banned = client.completions.create(**base, extra_body={"bad_words": [first]}).choices[0]
+    assert not banned.text.startswith(" " + first) and banned.text != plain.text
+    forced = client.completions.create(**base, logit_bias={"28": 100}).choices[0]
+    assert forced.text == live_server.engine.tokenizer.decode([28] * 8)
+    assert client.completions.create(**base, presence_penalty=0, frequency_penalty=0).choices[0].text == plain.text
+
+
+def test_structured_output_errors_are_400_and_nothing_leaks(live_server, client, model):
+    with pytest.raises(openai.BadRequestError, match="guided_regex") as caught:
+        client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_regex": "(open"})
+    assert caught.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError, match="conflicting"):
+        client.completions.create(model=model, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
+        client.chat.completions.create(model=model, messages=CHATS[0], max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}})
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model=model, prompt="x", max_tokens=4, frequency_penalty=3)
+    live_server.wait_idle(30)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_streams_and_round_trips_through_a_tool_message(live_server, client, model, tool_choice):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=tool_choice,
+                                         temperature=0, max_tokens=60)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=tool_choice,
+                                                temperature=0, max_tokens=60, stream=True):
+        for ch in chunk.choices:
+            pieces += ch.delta.tool_calls or []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert reasons == ["tool_calls"] and pieces[0].function.name == "get_weather" and pieces[0].id
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == json.loads(call.function.arguments)
+    history = ask + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=8)
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        client.chat.completions.create(model=model, messages=ask, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    live_server.wait_idle(30)
+
+
+def test_echo_scoring_returns_a_logprob_for_every_prompt_token_after_the_first(live_server, client, model):
+    prompt = "The capital of France is Paris."
+    scored = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    ids = live_server.engine.tokenizer.encode(prompt)
+    lp = choice.logprobs
+    assert choice.text == prompt and len(lp.tokens) == len(ids) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == prompt and lp.text_offset[1] == len(lp.tokens[0])
+    both = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=0, max_tokens=3, temperature=0)
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    assert both.choices[0].logprobs.token_logprobs[0] is None
+    assert both.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    live_server.wait_idle(30)
