@@ -136,3 +136,11 @@ def test_import_rule_check_sees_relative_and_nested_imports():
     source = "def f():\n    from ..server import app\n    import vllm.platforms\n    from . import config\n"
     modules = _imported_modules(source, "kernel_lab.engine")
     assert {"kernel_lab.server.app", "vllm.platforms", "kernel_lab.engine.config"} <= modules
+
+
+@pytest.mark.parametrize("package", ["ops", "engine", "server"])
+def test_files_of_the_core_packages_keep_to_one_job(package):
+    """No module of kernel_lab/ops, engine or server grows past 600 lines: a file that long is doing two jobs."""
+    long_files = {p.name: n for p in sorted((ROOT / "kernel_lab" / package).glob("*.py"))
+                  if (n := len(p.read_text().splitlines())) > 600}
+    assert not long_files, f"split these by job: {long_files}"
