@@ -34,7 +34,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& k_scale,
                   const c10::optional<at::Tensor>& v_scale, const at::Tensor& out, const c10::optional<at::Tensor>& partial_out,
                   const c10::optional<at::Tensor>& partial_stats, double scale, int64_t heads_per_group,
-                  int64_t partition_blocks, int64_t num_splits) {
+                  int64_t partition_blocks, int64_t num_splits, int64_t sliding_window) {
   check_cuda("q", q);
   check_cuda("k_cache", k_cache);
   check_cuda("v_cache", v_cache);
@@ -93,6 +93,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   p.scale = static_cast<float>(scale);
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
   p.cache_kind = elem_kind(k_cache);
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be in [0, 2^31), got ",
+              sliding_window);
+  p.sliding_window = static_cast<int>(sliding_window);
   const cudaError_t status = kernel_lab::launch_paged_decode(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(status == cudaSuccess, "paged_decode launch failed: ", cudaGetErrorString(status));
 }

@@ -59,6 +59,11 @@ struct CacheRow<ElemKind::kFP8> {
   static __device__ __forceinline__ float fold() { return kFp8DecodeFold; }
 };
 
+// The first position a sequence's query attends: it sees keys in (len - 1 - W, len - 1] under a window W.
+__device__ __forceinline__ int window_start(const PagedDecodeParams& p, int seq_len) {
+  return p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
+}
+
 __device__ __forceinline__ void store_out(void* base, int64_t index, float v, bool bf16) {
   if (bf16) {
     reinterpret_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(v);
@@ -95,7 +100,9 @@ paged_decode_kernel(const PagedDecodeParams p) {
 
   const int seq_len = p.seq_lens[seq];
   const int seq_blocks = (seq_len + p.block_size - 1) >> p.log2_block_size;
-  const int first_block = split * p.partition_blocks;
+  const int window_first = window_start(p, seq_len);
+  // Splits cover the window's blocks only (plan_splits counts those), so the work is bounded by the window.
+  const int first_block = (window_first >> p.log2_block_size) + split * p.partition_blocks;
   const int end_block = min(first_block + p.partition_blocks, seq_blocks);
   if (first_block >= end_block) {
     // An empty split: the merge kernel counts splits from seq_len and never reads it. Without a split,
@@ -157,9 +164,12 @@ paged_decode_kernel(const PagedDecodeParams p) {
       k_mult = p.k_scale[page * p.num_kv_heads + kv_head] * Row::fold();
       v_mult = p.v_scale[page * p.num_kv_heads + kv_head] * Row::fold();
     }
-    const int block_tokens = min(p.block_size, seq_len - (block << p.log2_block_size));
+    const int block_start = block << p.log2_block_size;
+    const int block_tokens = min(p.block_size, seq_len - block_start);
+    // The window's first block starts mid-page: its earlier offsets are neither loaded nor counted.
+    const int first_offset = max(0, window_first - block_start);
 
-    for (int base = 0; base < block_tokens; base += kChunk * kTPW) {
+    for (int base = first_offset; base < block_tokens; base += kChunk * kTPW) {
       Raw k_raw[kChunk], v_raw[kChunk];
       bool valid[kChunk];
 #pragma unroll
@@ -286,13 +296,14 @@ paged_decode_kernel(const PagedDecodeParams p) {
 }
 
 // Combines the splits of one (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
-// w_s = sum_s * 2^(max_s - max). The number of splits that hold tokens follows from seq_len.
+// w_s = sum_s * 2^(max_s - max). The number of splits that hold tokens follows from seq_len (and the window).
 __global__ void __launch_bounds__(256) paged_decode_merge_kernel(const PagedDecodeParams p) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = p.seq_lens[seq];
-  const int seq_blocks = (seq_len + p.block_size - 1) >> p.log2_block_size;
-  const int splits = (seq_blocks + p.partition_blocks - 1) / p.partition_blocks;
+  const int window_blocks = ((seq_len + p.block_size - 1) >> p.log2_block_size) -
+                            (window_start(p, seq_len) >> p.log2_block_size);
+  const int splits = (window_blocks + p.partition_blocks - 1) / p.partition_blocks;
   const int64_t first_row = (static_cast<int64_t>(seq) * p.num_q_heads + head) * p.num_splits;
   const float* stats = p.partial_stats + first_row * 2;
   const float* partial = p.partial_out + first_row * p.head_dim;
@@ -342,7 +353,8 @@ cudaError_t launch_cache(const PagedDecodeParams& p, cudaStream_t stream) {
 
 cudaError_t launch_paged_decode(const PagedDecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  if (p.block_size != (1 << p.log2_block_size) || p.num_splits < 1 || p.partition_blocks < 1) {
+  if (p.block_size != (1 << p.log2_block_size) || p.num_splits < 1 || p.partition_blocks < 1 ||
+      p.sliding_window < 0) {
     return cudaErrorInvalidValue;
   }
   cudaError_t status;

@@ -28,6 +28,7 @@ struct PagedDecodeParams {
   float scale;
   int q_is_bf16;
   int cache_kind;  // ElemKind of the cache: 0 fp16, 1 bf16, 3 fp8 e4m3
+  int sliding_window;  // W > 0: the query at position len - 1 sees keys in (len - 1 - W, len - 1]; 0: all
 };
 
 struct WriteKVParams {

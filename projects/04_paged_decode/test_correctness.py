@@ -559,6 +559,22 @@ def test_kernel_model_matches_reference(hq, hkv, head_dim, block_size, lengths, 
     assert_close(modelled, reference.double(), torch.float32)
 
 
+@pytest.mark.parametrize("window", [1, 16, 19, 40])
+def test_split_plan_and_kernel_model_under_a_window(window):
+    """The plan covers the pages a window can touch, not the table (work bounded by W), and the model, which
+    starts at the window's first page and offset, matches float64 with every slot before the windows NaN
+    and the table entries before them -1."""
+    plan = plan_splits(1, 8, 1, 4096, 16, 132, window)
+    pages = -(-(window - 1) // 16) + 1
+    assert plan.num_splits * plan.partition_blocks >= pages
+    assert (plan.num_splits - 1) * plan.partition_blocks < pages, "an always-empty split"
+    assert plan_splits(1, 8, 1, 4096, 16, 132, 10**6) == plan_splits(1, 8, 1, 4096, 16, 132)
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("model-window", window), window, 16, torch.float32)
+    forced = SplitPlan(1, 3, 1, -(-(window - 1) // 16) + 1)  # one page per split: every split boundary
+    for plan in (None, forced):
+        assert_close(kernel_model(q, kc, vc, bt, sl, 0.2, plan=plan, sliding_window=window), expected, torch.float32)
+
+
 def test_kernel_model_uses_the_shape_plan_by_default():
     """With the default plan on a small batch the model really splits (and still matches)."""
     lengths = [600, 5]
@@ -741,6 +757,20 @@ def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_
     reference = paged_decode_attention_reference(q, kc, vc, bt, sl)
     assert_close(out, reference.double(), dtype, scale=2.0)
     assert_float64_subsample(out, q, kc, vc, bt, sl, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_extension
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS + [4096])
+def test_gpu_sliding_window_matches_float64(window, dtype):
+    """The CUDA kernel under a window: slots before each window NaN, pages wholly before it -1 in the table."""
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("gpu-window", window, dtype), window, 16, dtype)
+    out = poison(torch.empty_like(q)).cuda()
+    paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), bt.cuda(), sl.cuda(), scale=0.2, out=out,
+                           sliding_window=window)
+    assert_close(out.cpu(), expected, dtype, scale=2.0)
+    assert not out[-1].any(), "a length-0 row must be zeros"
 
 
 def assert_float64_subsample(out, q, k_cache, v_cache, block_tables, seq_lens, dtype, k_scale=None, v_scale=None):

@@ -24,6 +24,7 @@ _spec = importlib.util.spec_from_file_location("paged_decode_tests", Path(__file
 _paged = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_paged)
 attention64, make_case, poison_unread_slots = _paged.attention64, _paged.make_case, _paged.poison_unread_slots
+windowed_case = _paged.windowed_case
 
 pytestmark = [pytest.mark.cuda_source,
               pytest.mark.skipif(cuda_host.unavailable() is not None, reason=str(cuda_host.unavailable()))]
@@ -110,6 +111,22 @@ def test_cuda_decode_result_does_not_depend_on_thread_or_block_order():
     for seed in (2, 3):
         assert torch.equal(run_decode(case, seed=seed).view(torch.int16), first.view(torch.int16)), seed
     assert torch.equal(run_decode(case, flavour="race", seed=4).view(torch.int16), first.view(torch.int16))
+
+
+# Windows with 16-token pages: inside a page, a page exactly, across a page edge, 2.5 pages, past the context.
+@pytest.mark.parametrize("window, dtype, plan", [
+    (5, torch.float16, None), (16, torch.bfloat16, SplitPlan(1, 3, 1, 3)), (19, torch.float16, SplitPlan(1, 3, 2, 2)),
+    (40, torch.bfloat16, None), (10_000, torch.float16, None),
+])
+def test_cuda_decode_sliding_window_matches_float64(window, dtype, plan):
+    """The slots before each window are NaN and the table entries of pages wholly before it -1 (a read of one
+    is an ASan report); forced plans split the window's pages one or two per split."""
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("cuda-window", window, dtype), window, 16, dtype)
+    plan = plan or plan_splits(q.shape[0], 6, 2, bt.shape[1], 16, 132, window)
+    out = cuda_host.paged_decode(q, kc, vc, bt, sl, 0.2, plan=plan, out=poison(torch.empty_like(q)),
+                                 sliding_window=window)
+    assert_close(out, expected, dtype, scale=2.0)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "a length-0 row must be exactly zero"
 
 
 @pytest.mark.parametrize("where", [-1, "past_the_pool"])
