@@ -3,7 +3,8 @@
 // One CTA per (KV head x head group, sequence, split). A head group is up to 8 query heads of one KV head,
 // so each K/V element is loaded once for all of them. Inside the CTA, warp w takes the split's KV blocks
 // w, w + kNumWarps, ...; a token row of head_dim elements is spread over kLanesPerToken lanes (8 elements,
-// 16 bytes of fp16/bf16 or 8 bytes of fp8, per lane), so a warp reads kTokensPerWarp rows at once. Each
+// 16 bytes of fp16/bf16 or 8 bytes of fp8, per lane; head_dim 96 pads its 12 lanes to a group of 16), so a
+// warp reads kTokensPerWarp rows at once. Each
 // lane group keeps its own online-softmax state (max, sum, accumulator) over its tokens, updated once per
 // chunk of kChunk tokens whose K and V loads are all issued before any math. Lane groups merge by shuffles,
 // warps through shared memory. With one split the CTA writes the output; otherwise it writes its
@@ -26,10 +27,15 @@ constexpr int kNumWarps = 4;
 constexpr int kNumThreads = kNumWarps * kWarpSize;
 constexpr int kElemsPerLane = 8;
 
+constexpr int pow2_ceil(int n) { return n <= 1 ? 1 : 2 * pow2_ceil((n + 1) / 2); }
+
 template <int kHeadDim, int kHeadTile>
 struct DecodeShape {
-  static constexpr int kLanesPerToken = kHeadDim / kElemsPerLane;      // 8, 16, 32
-  static constexpr int kTokensPerWarp = kWarpSize / kLanesPerToken;    // 4, 2, 1
+  // Raws (8 elements) per K/V row; a lane group is that rounded up to a power of two, so head_dim 96 (12)
+  // runs in groups of 16 whose 4 spare lanes hold zeros and load nothing.
+  static constexpr int kRowRaws = kHeadDim / kElemsPerLane;             // 8, 12, 16, 32
+  static constexpr int kLanesPerToken = pow2_ceil(kRowRaws);            // 8, 16, 16, 32
+  static constexpr int kTokensPerWarp = kWarpSize / kLanesPerToken;    // 4, 2, 2, 1
   static constexpr int kChunk = kHeadTile <= 2 ? 4 : 2;                // tokens per lane group per step
   // Occupancy floor handed to ptxas: without one it may cap small tiles at 80 registers and spill.
   static constexpr int kMinBlocksPerSM = kHeadTile <= 2 ? 4 : kHeadTile == 4 ? 3 : 2;
@@ -90,6 +96,7 @@ paged_decode_kernel(const PagedDecodeParams p) {
   const int lane = threadIdx.x % kWarpSize;
   const int lane_group = lane / kLanes;
   const int lane_in_group = lane % kLanes;
+  const bool holds_data = lane_in_group < Shape::kRowRaws;
   const int kv_head = blockIdx.x / p.head_groups;
   const int head_group = blockIdx.x % p.head_groups;
   const int seq = blockIdx.y;
@@ -121,7 +128,7 @@ paged_decode_kernel(const PagedDecodeParams p) {
   const float q_mult = p.scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < kHeadTile; ++g) {
-    if (g < num_heads) {
+    if (g < num_heads && holds_data) {
       const int64_t offset = seq * p.q_batch_stride + (first_head + g) * p.q_head_stride + lane_in_group * 8;
       if (p.q_is_bf16) {
         load8_as_float<ElemKind::kBF16>(reinterpret_cast<const __nv_bfloat16*>(p.q) + offset, q[g]);
@@ -145,10 +152,10 @@ paged_decode_kernel(const PagedDecodeParams p) {
     for (int e = 0; e < kElemsPerLane; ++e) acc[g][e] = 0.0f;
   }
 
-  // Raw is 8 cache elements, so a row of head_dim elements is kLanes Raws and one token is
+  // Raw is 8 cache elements, so a row of head_dim elements is kRowRaws Raws and one token is
   // num_kv_heads rows.
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * kLanes;
-  const int64_t row_offset = static_cast<int64_t>(kv_head) * kLanes + lane_in_group;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * Shape::kRowRaws;
+  const int64_t row_offset = static_cast<int64_t>(kv_head) * Shape::kRowRaws + lane_in_group;
   const int32_t* table = p.block_tables + seq * p.block_table_stride;
   const Raw* k_base = reinterpret_cast<const Raw*>(p.k_cache);
   const Raw* v_base = reinterpret_cast<const Raw*>(p.v_cache);
@@ -176,7 +183,7 @@ paged_decode_kernel(const PagedDecodeParams p) {
       for (int c = 0; c < kChunk; ++c) {
         const int offset = base + c * kTPW + lane_group;
         valid[c] = offset < block_tokens;
-        if (valid[c]) {
+        if (valid[c] && holds_data) {
           k_raw[c] = __ldg(k_page + offset * token_stride);
           v_raw[c] = __ldg(v_page + offset * token_stride);
         } else {
@@ -253,7 +260,7 @@ paged_decode_kernel(const PagedDecodeParams p) {
     }
   }
 
-  if (lane_group == 0) {
+  if (lane_group == 0 && holds_data) {
 #pragma unroll
     for (int g = 0; g < kHeadTile; ++g) {
 #pragma unroll
@@ -343,6 +350,7 @@ template <ElemKind kCache>
 cudaError_t launch_cache(const PagedDecodeParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return launch_head_dim<kCache, 64>(p, stream);
+    case 96: return launch_head_dim<kCache, 96>(p, stream);
     case 128: return launch_head_dim<kCache, 128>(p, stream);
     case 256: return launch_head_dim<kCache, 256>(p, stream);
     default: return cudaErrorInvalidValue;

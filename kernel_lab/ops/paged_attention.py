@@ -173,7 +173,8 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
     plan = plan or plan_splits(batch, num_q_heads, num_kv_heads, block_tables.shape[1], block_size, num_sms,
                                sliding_window)
     _, chunk = kernel_tile(plan.heads_per_group)
-    lanes_per_token = head_dim // ELEMS_PER_LANE
+    # A lane group is head_dim / 8 lanes rounded up to a power of two (96: 12 lanes of data in 16).
+    lanes_per_token = 1 << max(0, head_dim // ELEMS_PER_LANE - 1).bit_length()
     tokens_per_warp = max(1, 32 // lanes_per_token)
     is_fp8 = k_cache.dtype == FP8_DTYPE
     out = torch.zeros((batch, num_q_heads, head_dim), dtype=torch.float32)

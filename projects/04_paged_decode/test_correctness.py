@@ -100,7 +100,7 @@ def make_case(seed, *, batch, num_q_heads, num_kv_heads, head_dim, block_size, l
 REFERENCE_CASES = [
     # (num_q_heads, num_kv_heads, head_dim, block_size)
     (4, 4, 64, 8), (8, 4, 128, 16), (8, 2, 64, 32), (14, 2, 128, 64), (16, 2, 64, 16), (16, 1, 256, 8),
-    (32, 1, 64, 8), (12, 1, 128, 32), (6, 2, 96, 16),  # 96: Phi-3 (CPU only; CUDA is instantiated for 64/128/256)
+    (32, 1, 64, 8), (12, 1, 128, 32), (6, 2, 96, 16),  # 96: Phi-3
 ]
 
 
@@ -239,10 +239,10 @@ def test_c_kernel_other_head_dims(c_kernel, head_dim):
 
 
 def test_cuda_head_dims_are_refused_by_name():
-    """The CUDA kernels are instantiated for 64/128/256 only: another head_dim is refused before any launch
-    (checked without a GPU: the check precedes the allocation)."""
-    for head_dim in (80, 96):
-        with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\) on CUDA"):
+    """The CUDA kernels are instantiated for 64/96/128/256 only: another head_dim is refused before any
+    launch (checked without a GPU: the check precedes the allocation)."""
+    for head_dim in (80, 112):
+        with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 96, 128, 256\) on CUDA"):
             allocate_kv_cache(2, 16, 1, head_dim, torch.float16, "cuda")
     k, v, _, _ = allocate_kv_cache(2, 16, 1, 96, torch.float16, "cpu")
     assert k.shape == (2, 16, 1, 96)
@@ -670,8 +670,8 @@ def compiled():
 def test_kernel_sources_build_for_every_target_without_spills(compiled):
     assert set(compiled) == {80, 89, 90}
     for capability, report in compiled.items():
-        # 3 cache kinds x 3 head dims x 4 head tiles, plus the split merge kernel
-        assert report["functions"] == 37, (capability, report["functions"])
+        # 3 cache kinds x 4 head dims x 4 head tiles, plus the split merge kernel
+        assert report["functions"] == 49, (capability, report["functions"])
         assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (capability, report["log"][-3000:])
         assert report["stack_frame"] == 0, (capability, "local memory stack frame")
 
@@ -735,7 +735,7 @@ def test_nvcc_facts_read_this_machines_nvcc():
 GPU_CASES = [
     # (batch, hq, hkv, head_dim, block_size, max_len)
     (1, 32, 32, 128, 16, 32768), (4, 32, 8, 128, 16, 4000), (33, 28, 4, 128, 32, 700), (2, 8, 1, 256, 64, 5000),
-    (64, 16, 2, 64, 8, 300), (3, 64, 4, 128, 16, 2050), (5, 71, 1, 64, 32, 900),
+    (64, 16, 2, 64, 8, 300), (3, 64, 4, 128, 16, 2050), (5, 71, 1, 64, 32, 900), (4, 32, 32, 96, 16, 3000),
 ]
 
 

@@ -87,6 +87,8 @@ DECODE_CASES = [
     (6, 2, 64, 16, torch.float16, None),                                 # GQA 3 in a tile of 4
     (4, 2, 128, 8, torch.bfloat16, SplitPlan(1, 2, 2, 3)),               # tile 2, two pages per split
     (2, 1, 256, 16, torch.bfloat16, None),                               # head_dim 256, tile 2
+    (6, 2, 96, 16, torch.float16, SplitPlan(1, 3, 1, 3)),                # head_dim 96: 12 lanes in 16
+    (8, 1, 96, 8, torch.bfloat16, None),                                 # head_dim 96, tile 8
 ]
 
 

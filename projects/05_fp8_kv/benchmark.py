@@ -36,7 +36,7 @@ def storage_table() -> list[tuple[int, int, float]]:
     """(block_size, head_dim, % saved against fp16) for every supported geometry."""
     rows = []
     for block_size in (8, 16, 32, 64):
-        for head_dim in (64, 128, 256):
+        for head_dim in (64, 96, 128, 256):
             fp16 = kv_cache_bytes(1024, block_size, 8, head_dim, torch.float16)
             fp8 = kv_cache_bytes(1024, block_size, 8, head_dim, FP8_DTYPE)
             rows.append((block_size, head_dim, 100.0 * (1 - fp8 / fp16)))
