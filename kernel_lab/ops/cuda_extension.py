@@ -259,10 +259,10 @@ def num_sms(device: torch.device) -> int:
 
 
 def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out,
-                        sliding_window: int = 0) -> None:
+                        sliding_window: int = 0, variant: str = "direct") -> None:
     """Plan the split from shapes (and the window) only, allocate the split workspace, launch; no host
     synchronisation."""
-    from .paged_attention import plan_splits
+    from .paged_attention import DECODE_VARIANTS, plan_splits
 
     batch, num_q_heads, head_dim = q.shape
     plan = plan_splits(batch, num_q_heads, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
@@ -276,7 +276,8 @@ def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_sc
         partial_out = partial_stats = None
     load_extension().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out,
                                   partial_out, partial_stats, float(scale), plan.heads_per_group,
-                                  plan.partition_blocks, plan.num_splits, sliding_window or 0)
+                                  plan.partition_blocks, plan.num_splits, sliding_window or 0,
+                                  DECODE_VARIANTS[variant])
 
 
 def main() -> int:

@@ -57,6 +57,10 @@ ELEMS_PER_LANE = 8         # head_dim elements each lane owns: 16-byte loads for
 NUM_WARPS = 4
 MIN_PARTITION_TOKENS = 256  # a split reads at least this many tokens, so its fixed cost stays small
 CTAS_PER_SM_TARGET = 2      # split until the grid has about this many CTAs per SM
+# The CUDA kernel's variants (PagedDecodeParams::variant): "direct" (default) loads each lane's K/V pieces
+# into registers; "pipelined" copies each warp's next step into shared memory with 16-byte cp.async (16
+# fp8 values per copy) in two stages and prefetches the next page index. Same maths, same bits.
+DECODE_VARIANTS = {"direct": 0, "pipelined": 1}
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -314,8 +318,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, validate: bool | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
-    """Decode attention of one query token per sequence over its paged KV cache (see module docstring)."""
+                           sliding_window: int | None = None, variant: str = "direct") -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache (see module docstring).
+    `variant` picks the CUDA kernel's variant (DECODE_VARIANTS); the CPU paths ignore it."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(DECODE_VARIANTS)}, got {variant!r}")
     num_blocks, block_size = _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                                        out, sliding_window)
     if validate or (validate is None and not q.is_cuda):
@@ -339,5 +346,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, result,
-                        sliding_window or 0)
+                        sliding_window or 0, variant)
     return result

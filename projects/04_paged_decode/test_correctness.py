@@ -670,8 +670,8 @@ def compiled():
 def test_kernel_sources_build_for_every_target_without_spills(compiled):
     assert set(compiled) == {80, 89, 90}
     for capability, report in compiled.items():
-        # 3 cache kinds x 4 head dims x 4 head tiles, plus the split merge kernel
-        assert report["functions"] == 49, (capability, report["functions"])
+        # 2 variants x 3 cache kinds x 4 head dims x 4 head tiles, plus the split merge kernel
+        assert report["functions"] == 97, (capability, report["functions"])
         assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (capability, report["log"][-3000:])
         assert report["stack_frame"] == 0, (capability, "local memory stack frame")
 
@@ -682,6 +682,27 @@ def test_sass_reads_kv_with_wide_loads(compiled):
         assert any(".128" in op for op in loads), (capability, loads)  # fp16/bf16 K/V rows
         assert any(".64" in op for op in loads), (capability, loads)   # fp8 K/V rows
         assert "BAR.SYNC" in report["sass"] or "BAR.SYNC.DEFER_BLOCKING" in report["sass"]
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """cuobjdump's listing split into {mangled name: its SASS}."""
+    return {part.split()[0]: part for part in re.split(r"Function : ", sass)[1:]}
+
+
+def test_pipelined_variant_copies_fp8_pages_in_16_byte_cp_async_pieces(compiled):
+    """Every fp8 instance of the pipelined variant moves K/V with LDGSTS.128 (cp.async, 16 fp8 values per
+    copy) and has no 8-byte global loads left; the direct variant keeps its 8-byte LDG.64 rows."""
+    for capability, report in compiled.items():
+        functions = sass_functions(report["sass"])
+        fp8 = {name: body for name, body in functions.items() if "paged_decode_kernel" in name and "ElemKindE3" in name}
+        pipelined = {name: body for name, body in fp8.items() if "VariantE1" in name}
+        direct = {name: body for name, body in fp8.items() if "VariantE0" in name}
+        assert len(pipelined) == len(direct) == 16, (capability, len(pipelined), len(direct))
+        for name, body in pipelined.items():
+            assert re.search(r"LDGSTS\.E[A-Z.]*\.128", body), (capability, name)
+            assert not re.search(r"LDG\.E\.64", body), (capability, name)
+        for name, body in direct.items():
+            assert "LDGSTS" not in body and re.search(r"LDG\.E\.64", body), (capability, name)
 
 
 def test_python_model_and_cuda_kernel_share_their_geometry():
@@ -741,9 +762,10 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.cuda_extension
+@pytest.mark.parametrize("variant", list(paged_attention.DECODE_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", GPU_CASES)
-def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype):
+def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype, variant):
     g = generator(case_seed("gpu-len", batch, max_len))
     lengths = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
     lengths[0] = max_len
@@ -753,7 +775,7 @@ def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_
     q, kc, vc, bt, sl, _, _ = make_case(seed, batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                                         block_size=block_size, lengths=lengths, dtype=dtype, device="cuda")
     out = poison(torch.empty_like(q))
-    paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True)
+    paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True, variant=variant)
     reference = paged_decode_attention_reference(q, kc, vc, bt, sl)
     assert_close(out, reference.double(), dtype, scale=2.0)
     assert_float64_subsample(out, q, kc, vc, bt, sl, dtype)
@@ -763,12 +785,13 @@ def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_
 @pytest.mark.cuda_extension
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", WINDOWS + [4096])
-def test_gpu_sliding_window_matches_float64(window, dtype):
+@pytest.mark.parametrize("variant", list(paged_attention.DECODE_VARIANTS))
+def test_gpu_sliding_window_matches_float64(window, dtype, variant):
     """The CUDA kernel under a window: slots before each window NaN, pages wholly before it -1 in the table."""
     q, kc, vc, bt, sl, expected = windowed_case(case_seed("gpu-window", window, dtype), window, 16, dtype)
     out = poison(torch.empty_like(q)).cuda()
     paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), bt.cuda(), sl.cuda(), scale=0.2, out=out,
-                           sliding_window=window)
+                           sliding_window=window, variant=variant)
     assert_close(out.cpu(), expected, dtype, scale=2.0)
     assert not out[-1].any(), "a length-0 row must be zeros"
 
