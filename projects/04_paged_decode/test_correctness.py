@@ -391,6 +391,13 @@ def test_window_of_the_context_or_more_is_full_attention(c_kernel, window):
     assert_close(reference, full, torch.float32)
 
 
+def test_an_unknown_variant_is_refused_by_name():
+    q, kc, vc, bt, sl, _, _ = make_case(4, batch=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
+                                        lengths=[9], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"variant must be one of \('direct', 'pipelined'\), got 'fast'"):
+        paged_decode_attention(q, kc, vc, bt, sl, variant="fast")
+
+
 def test_window_start_is_transformers_sliding_window_mask():
     """The off-by-one that matters: transformers' mask (kv_idx > q_idx - W on top of causal) for the query at
     position length - 1 is the same key set as ours, [window_starts, length)."""
