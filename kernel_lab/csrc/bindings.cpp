@@ -34,7 +34,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& k_scale,
                   const c10::optional<at::Tensor>& v_scale, const at::Tensor& out, const c10::optional<at::Tensor>& partial_out,
                   const c10::optional<at::Tensor>& partial_stats, double scale, int64_t heads_per_group,
-                  int64_t partition_blocks, int64_t num_splits) {
+                  int64_t partition_blocks, int64_t num_splits, int64_t sliding_window, int64_t variant) {
   check_cuda("q", q);
   check_cuda("k_cache", k_cache);
   check_cuda("v_cache", v_cache);
@@ -93,6 +93,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   p.scale = static_cast<float>(scale);
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
   p.cache_kind = elem_kind(k_cache);
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be in [0, 2^31), got ",
+              sliding_window);
+  p.sliding_window = static_cast<int>(sliding_window);
+  TORCH_CHECK(variant == 0 || variant == 1, "variant must be 0 (direct) or 1 (pipelined), got ", variant);
+  // The pipelined variant copies 16-byte pieces of rows: fp8 pages need 16-byte block strides too.
+  TORCH_CHECK(variant == 0 || ((k_cache.stride(0) * k_cache.element_size()) % 16 == 0 &&
+                               (v_cache.stride(0) * v_cache.element_size()) % 16 == 0),
+              "the pipelined variant needs k_cache/v_cache block strides that are multiples of 16 bytes");
+  p.variant = static_cast<int>(variant);
   const cudaError_t status = kernel_lab::launch_paged_decode(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(status == cudaSuccess, "paged_decode launch failed: ", cudaGetErrorString(status));
 }

@@ -10,7 +10,8 @@
 //   3. requantise: the leader of each (page, head) whose scale grew rescales the page's existing bytes
 //                 once (or zero-fills a page whose old scale was 0) and publishes the new scale;
 //   4. quantise:  every row is quantised with its page's new scale and stored.
-// Every (token, head) row is handled by head_dim / 8 lanes, 8 elements each.
+// Every (token, head) row is handled by a lane group of head_dim / 8 lanes rounded up to a power of two
+// (16 for head_dim 96: the 4 spare lanes load and store nothing), 8 elements each.
 
 #include <climits>
 
@@ -65,6 +66,7 @@ struct RowCoord {
   int64_t slot, page;
   int offset;
   bool active;  // the row exists and its slot is not -1
+  bool holds_data;  // the lane's 8 elements lie inside head_dim (false on a padded group's spare lanes)
 };
 
 template <int kLanes>
@@ -72,6 +74,7 @@ __device__ __forceinline__ RowCoord row_coord(const WriteKVParams& p) {
   RowCoord r;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes;
   r.lane = threadIdx.x % kLanes;
+  r.holds_data = r.lane * 8 < p.head_dim;
   const bool exists = row < static_cast<int64_t>(p.num_tokens) * p.num_kv_heads;
   r.token = exists ? static_cast<int>(row / p.num_kv_heads) : 0;
   r.head = exists ? static_cast<int>(row % p.num_kv_heads) : 0;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) propose_scales_kernel(const WriteKVP
   const RowCoord r = row_coord<kLanes>(p);
   float k[8], v[8];
   float k_max = 0.0f, v_max = 0.0f;
-  if (r.active) {
+  if (r.active && r.holds_data) {
     load_row<kInput>(p.key, r.token * p.key_token_stride + r.head * p.key_head_stride + r.lane * 8, k);
     load_row<kInput>(p.value, r.token * p.value_token_stride + r.head * p.value_head_stride + r.lane * 8, v);
 #pragma unroll
@@ -135,7 +138,7 @@ __device__ __forceinline__ void requantise_page(uint8_t* cache, int64_t block_st
   if (!(new_scale > old_scale)) return;
   // An old scale of 0 marks an empty page: its bytes are meaningless (maybe NaN patterns), so clear them.
   const float ratio = old_scale > 0.0f ? old_scale / new_scale : 0.0f;
-  for (int offset = 0; offset < p.block_size; ++offset) {
+  for (int offset = 0; offset < (r.holds_data ? p.block_size : 0); ++offset) {
     uint2* ptr = reinterpret_cast<uint2*>(
         cache + r.page * block_stride + (static_cast<int64_t>(offset) * p.num_kv_heads + r.head) * p.head_dim) +
         r.lane;
@@ -179,7 +182,7 @@ __device__ __forceinline__ void quantise_store(uint8_t* cache, int64_t block_str
 template <ElemKind kInput, int kLanes>
 __global__ void __launch_bounds__(kThreads) quantise_kernel(const WriteKVParams p) {
   const RowCoord r = row_coord<kLanes>(p);
-  if (!r.active) return;
+  if (!r.active || !r.holds_data) return;
   const int64_t index = r.page * p.num_kv_heads + r.head;
   float k[8], v[8];
   load_row<kInput>(p.key, r.token * p.key_token_stride + r.head * p.key_head_stride + r.lane * 8, k);
@@ -203,6 +206,7 @@ template <ElemKind kInput>
 cudaError_t launch_fp8_input(const WriteKVParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return launch_fp8<kInput, 8>(p, stream);
+    case 96: return launch_fp8<kInput, 16>(p, stream);  // 12 lanes of data in a group of 16
     case 128: return launch_fp8<kInput, 16>(p, stream);
     case 256: return launch_fp8<kInput, 32>(p, stream);
     default: return cudaErrorInvalidValue;

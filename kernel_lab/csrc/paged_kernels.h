@@ -28,6 +28,8 @@ struct PagedDecodeParams {
   float scale;
   int q_is_bf16;
   int cache_kind;  // ElemKind of the cache: 0 fp16, 1 bf16, 3 fp8 e4m3
+  int sliding_window;  // W > 0: the query at position len - 1 sees keys in (len - 1 - W, len - 1]; 0: all
+  int variant;         // 0: direct loads (default); 1: cp.async-pipelined (16-byte copies; paged_attention.cu)
 };
 
 struct WriteKVParams {

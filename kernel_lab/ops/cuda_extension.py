@@ -258,13 +258,15 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out) -> None:
-    """Plan the split from shapes only, allocate the split workspace, launch; no host synchronisation."""
-    from .paged_attention import plan_splits
+def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out,
+                        sliding_window: int = 0, variant: str = "direct") -> None:
+    """Plan the split from shapes (and the window) only, allocate the split workspace, launch; no host
+    synchronisation."""
+    from .paged_attention import DECODE_VARIANTS, plan_splits
 
     batch, num_q_heads, head_dim = q.shape
     plan = plan_splits(batch, num_q_heads, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1],
-                       num_sms(q.device))
+                       num_sms(q.device), sliding_window)
     if plan.num_splits > 1:
         partial_out = torch.empty((batch, num_q_heads, plan.num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
@@ -274,7 +276,8 @@ def launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_sc
         partial_out = partial_stats = None
     load_extension().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out,
                                   partial_out, partial_stats, float(scale), plan.heads_per_group,
-                                  plan.partition_blocks, plan.num_splits)
+                                  plan.partition_blocks, plan.num_splits, sliding_window or 0,
+                                  DECODE_VARIANTS[variant])
 
 
 def main() -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_kernels
+from .paged_attention import DECODE_VARIANTS
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SIMT = CSRC / "simt"
@@ -202,9 +203,10 @@ def run(mode: str, tensors: dict[str, torch.Tensor], params: dict[str, int | flo
 
 # --------------------------------------------------------------------------------------------- the two ops
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, *, plan,
-                 out=None, **run_options) -> torch.Tensor:
-    """launch_paged_decode on CPU tensors with `plan` (a paged_attention.SplitPlan), parameters as
-    bindings.cpp sets them; `out` (poisoned by the caller) may carry strides. Returns the output."""
+                 out=None, sliding_window=0, variant="direct", **run_options) -> torch.Tensor:
+    """launch_paged_decode on CPU tensors with `plan` (a paged_attention.SplitPlan, made with the same
+    `sliding_window`), parameters as bindings.cpp sets them; `out` (poisoned by the caller) may carry strides.
+    Returns the output."""
     batch, num_q_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     out = torch.full_like(q, float("nan")) if out is None else out
@@ -220,7 +222,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=Non
                   num_q_heads=num_q_heads, num_kv_heads=k_cache.shape[2], head_dim=head_dim, block_size=block_size,
                   log2_block_size=block_size.bit_length() - 1, heads_per_group=plan.heads_per_group,
                   head_groups=plan.head_groups, partition_blocks=plan.partition_blocks, num_splits=plan.num_splits,
-                  scale=float(scale), q_is_bf16=int(q.dtype == torch.bfloat16), cache_kind=ELEM_KIND[k_cache.dtype])
+                  scale=float(scale), q_is_bf16=int(q.dtype == torch.bfloat16), cache_kind=ELEM_KIND[k_cache.dtype],
+                  sliding_window=sliding_window or 0, variant=DECODE_VARIANTS[variant])
     return run("decode", tensors, params, **run_options)["out"]
 
 

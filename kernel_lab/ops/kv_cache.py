@@ -38,7 +38,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_FP8_SCALE = 2.0 ** -126  # smallest normal fp32: keeps `fp8 * scale` exact
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head_dim instantiations; the CPU paths take any
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)  # the CUDA kernels' head_dim instantiations; the CPU paths take any
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 

@@ -19,7 +19,8 @@ Contract
 - `sliding_window` W (None or 0: none): the query, at position `seq_lens[b] - 1`, attends only the keys at
   positions `(seq_lens[b] - 1 - W, seq_lens[b] - 1]`, its last W tokens: transformers' sliding-window mask
   (`kv_idx > q_idx - W`, masking_utils) and llama.cpp's SWA (masked when `q - k >= W`). Table entries of
-  pages wholly before the window are never read. CPU only for now (the CUDA kernel refuses it).
+  pages wholly before the window are never read, and the CUDA kernel's split plan covers the window's
+  pages only, so its work is bounded by W whatever the context length.
 - `validate`: host-side value checks (seq_lens within the block table, used block ids inside the pool),
   raising ValueError. Default (None): on for CPU tensors, off for CUDA since it synchronises; refused
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
@@ -56,6 +57,10 @@ ELEMS_PER_LANE = 8         # head_dim elements each lane owns: 16-byte loads for
 NUM_WARPS = 4
 MIN_PARTITION_TOKENS = 256  # a split reads at least this many tokens, so its fixed cost stays small
 CTAS_PER_SM_TARGET = 2      # split until the grid has about this many CTAs per SM
+# The CUDA kernel's variants (PagedDecodeParams::variant): "direct" (default) loads each lane's K/V pieces
+# into registers; "pipelined" copies each warp's next step into shared memory with 16-byte cp.async (16
+# fp8 values per copy) in two stages and prefetches the next page index. Same maths, same bits.
+DECODE_VARIANTS = {"direct": 0, "pipelined": 1}
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -120,19 +125,28 @@ class SplitPlan:
 
 
 def plan_splits(batch: int, num_q_heads: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                num_sms: int) -> SplitPlan:
-    """How the kernel divides the work; depends on shapes only, so it is fixed inside a CUDA graph."""
+                num_sms: int, sliding_window: int | None = None) -> SplitPlan:
+    """How the kernel divides the work; depends on shapes (and the window) only, so it is fixed inside a
+    CUDA graph. Under a window the splits cover the blocks a window can touch, counted from its first block."""
     group = num_q_heads // num_kv_heads
     head_groups = -(-group // HEADS_PER_GROUP)
     heads_per_group = -(-group // head_groups)
     ctas = batch * num_kv_heads * head_groups
-    capacity_blocks = max(max_blocks_per_seq, 1)
+    capacity_blocks = max(min(max_blocks_per_seq, window_blocks(sliding_window, block_size)), 1)
     wanted = -(-CTAS_PER_SM_TARGET * num_sms // max(ctas, 1))
     min_blocks = max(1, MIN_PARTITION_TOKENS // block_size)
     splits = max(1, min(wanted, capacity_blocks // min_blocks))
     partition_blocks = -(-capacity_blocks // splits)
     num_splits = -(-capacity_blocks // partition_blocks)
     return SplitPlan(head_groups, heads_per_group, partition_blocks, num_splits)
+
+
+def window_blocks(sliding_window: int | None, block_size: int) -> int:
+    """The most pages W consecutive positions can touch (a window that starts mid-page spills into one
+    more); unbounded without a window."""
+    if not sliding_window:
+        return 1 << 62
+    return -(-(sliding_window - 1) // block_size) + 1
 
 
 def kernel_tile(heads_per_group: int) -> tuple[int, int]:
@@ -144,7 +158,7 @@ def kernel_tile(heads_per_group: int) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------------------------- CPU model
 def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scale=None, v_scale=None,
-                 num_sms: int = 132, plan: SplitPlan | None = None) -> torch.Tensor:
+                 num_sms: int = 132, plan: SplitPlan | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The CUDA kernel's algorithm in PyTorch (float32), for testing its maths without a GPU.
 
     Same decomposition as the kernel: CTAs over (sequence, KV head, head group, split); inside a CTA, warp w
@@ -153,15 +167,18 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
     `chunk` tokens at a time with one online-softmax rescale per chunk. Scales: the logit multiplier is
     `scale * k_scale[page]`, and each probability is multiplied by `v_scale[page]` before it accumulates V.
     Lane groups then warps merge by max/rescale, and splits merge through (max, sum) = a log-sum-exp, as
-    in the merge kernel. (The kernel works in base 2 with q pre-scaled by log2(e); the same maths.)
+    in the merge kernel. (The kernel works in base 2 with q pre-scaled by log2(e); the same maths.) A window
+    starts the splits at its first block and the lane groups at its first offset in that block.
     """
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    plan = plan or plan_splits(batch, num_q_heads, num_kv_heads, block_tables.shape[1], block_size, num_sms)
+    plan = plan or plan_splits(batch, num_q_heads, num_kv_heads, block_tables.shape[1], block_size, num_sms,
+                               sliding_window)
     _, chunk = kernel_tile(plan.heads_per_group)
-    lanes_per_token = head_dim // ELEMS_PER_LANE
+    # A lane group is head_dim / 8 lanes rounded up to a power of two (96: 12 lanes of data in 16).
+    lanes_per_token = 1 << max(0, head_dim // ELEMS_PER_LANE - 1).bit_length()
     tokens_per_warp = max(1, 32 // lanes_per_token)
     is_fp8 = k_cache.dtype == FP8_DTYPE
     out = torch.zeros((batch, num_q_heads, head_dim), dtype=torch.float32)
@@ -177,6 +194,7 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
 
     for b in range(batch):
         seq_len = int(seq_lens[b])
+        window_first = max(0, seq_len - sliding_window) if sliding_window else 0
         for kvh in range(num_kv_heads):
             for hg in range(plan.head_groups):
                 heads = [kvh * group + hg * plan.heads_per_group + i for i in range(plan.heads_per_group)]
@@ -184,7 +202,7 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
                 qf = q[b, heads].float()                                                   # [G, D]
                 split_states = []
                 for split in range(plan.num_splits):
-                    first_block = split * plan.partition_blocks
+                    first_block = window_first // block_size + split * plan.partition_blocks
                     last_block = min(first_block + plan.partition_blocks, -(-seq_len // block_size))
                     if first_block >= last_block:
                         continue  # the kernel's CTA writes (m=-inf, l=0); the merge ignores it
@@ -199,7 +217,8 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
                                 k_mult = scale * (float(k_scale[page, kvh]) if is_fp8 else 1.0)
                                 v_mult = float(v_scale[page, kvh]) if is_fp8 else 1.0
                                 block_tokens = min(block_size, seq_len - blk * block_size)
-                                for base in range(0, block_tokens, chunk * tokens_per_warp):
+                                first_offset = max(0, window_first - blk * block_size)
+                                for base in range(first_offset, block_tokens, chunk * tokens_per_warp):
                                     offsets = [base + c * tokens_per_warp + lane_group for c in range(chunk)]
                                     offsets = [o for o in offsets if o < block_tokens]
                                     if not offsets:
@@ -257,9 +276,6 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_sca
     if out is not None and out.stride(-1) != 1:
         raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
     check_sliding_window(sliding_window)
-    if q.is_cuda and sliding_window:
-        raise NotImplementedError(f"sliding_window={sliding_window}: the CUDA paged decode kernel does not "
-                                  "implement sliding windows yet (the CPU kernel and reference do)")
     if q.is_cuda and q.dtype not in HALF_DTYPES:
         raise TypeError(f"the CUDA kernel takes q in float16 or bfloat16, got {q.dtype} "
                         "(the fp32 path is the CPU reference)")
@@ -268,8 +284,9 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_sca
 
 def check_sliding_window(sliding_window) -> None:
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 0):
-        raise ValueError(f"sliding_window must be None or an int >= 0 (0: no window), got {sliding_window!r}")
+                                       or not 0 <= sliding_window < 2**31):
+        raise ValueError(f"sliding_window must be None or an int >= 0 (0: no window) and below 2**31, "
+                         f"got {sliding_window!r}")
 
 
 def check_table_values(block_tables, seq_lens, num_blocks: int, block_size: int,
@@ -301,8 +318,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, validate: bool | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
-    """Decode attention of one query token per sequence over its paged KV cache (see module docstring)."""
+                           sliding_window: int | None = None, variant: str = "direct") -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache (see module docstring).
+    `variant` picks the CUDA kernel's variant (DECODE_VARIANTS); the CPU paths ignore it."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(DECODE_VARIANTS)}, got {variant!r}")
     num_blocks, block_size = _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                                        out, sliding_window)
     if validate or (validate is None and not q.is_cuda):
@@ -325,5 +345,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     from .cuda_extension import launch_paged_decode
 
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, result)
+    launch_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, result,
+                        sliding_window or 0, variant)
     return result

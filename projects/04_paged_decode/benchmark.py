@@ -123,6 +123,10 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                                device=device, name=f"kernel_lab {label}")
             q, k, v, tables, seq_lens, _, _ = cases[0]
             baselines, extra = {}, {}
+            if on_gpu:  # the CUDA kernel's other variant (the CPU paths have one implementation)
+                baselines["pipelined variant (cp.async)"] = benchmark(
+                    [lambda c=c, o=o: paged_decode_attention(*c[:5], out=o, variant="pipelined")
+                     for c, o in zip(cases, outs)], device=device, name=f"kernel_lab pipelined {label}")
             dense_k, dense_v = gathered(k, tables, context), gathered(v, tables, context)
             q4 = q.view(batch, num_q_heads, 1, HEAD_DIM)
             gqa = num_q_heads != num_kv_heads

@@ -49,7 +49,7 @@ def decode_case(dtype, cache_dtype, num_q_heads, num_kv_heads, head_dim, block_s
 def fp8_write_case():
     """Appends that grow a page's scale, skipped slots, a prefill into fresh pages: GPU == CPU bit for bit."""
     ok = True
-    for head_dim in (64, 128, 256):
+    for head_dim in (64, 96, 128, 256):
         cpu = allocate_kv_cache(6, 16, 2, head_dim, FP8_DTYPE, "cpu")
         gpu = allocate_kv_cache(6, 16, 2, head_dim, FP8_DTYPE, "cuda")
         g = torch.Generator().manual_seed(head_dim)

@@ -100,7 +100,7 @@ def make_case(seed, *, batch, num_q_heads, num_kv_heads, head_dim, block_size, l
 REFERENCE_CASES = [
     # (num_q_heads, num_kv_heads, head_dim, block_size)
     (4, 4, 64, 8), (8, 4, 128, 16), (8, 2, 64, 32), (14, 2, 128, 64), (16, 2, 64, 16), (16, 1, 256, 8),
-    (32, 1, 64, 8), (12, 1, 128, 32), (6, 2, 96, 16),  # 96: Phi-3 (CPU only; CUDA is instantiated for 64/128/256)
+    (32, 1, 64, 8), (12, 1, 128, 32), (6, 2, 96, 16),  # 96: Phi-3
 ]
 
 
@@ -239,10 +239,10 @@ def test_c_kernel_other_head_dims(c_kernel, head_dim):
 
 
 def test_cuda_head_dims_are_refused_by_name():
-    """The CUDA kernels are instantiated for 64/128/256 only: another head_dim is refused before any launch
-    (checked without a GPU: the check precedes the allocation)."""
-    for head_dim in (80, 96):
-        with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\) on CUDA"):
+    """The CUDA kernels are instantiated for 64/96/128/256 only: another head_dim is refused before any
+    launch (checked without a GPU: the check precedes the allocation)."""
+    for head_dim in (80, 112):
+        with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 96, 128, 256\) on CUDA"):
             allocate_kv_cache(2, 16, 1, head_dim, torch.float16, "cuda")
     k, v, _, _ = allocate_kv_cache(2, 16, 1, 96, torch.float16, "cpu")
     assert k.shape == (2, 16, 1, 96)
@@ -389,6 +389,13 @@ def test_window_of_the_context_or_more_is_full_attention(c_kernel, window):
     assert_close(paged_decode_attention(q, kc, vc, bt, sl, sliding_window=window), full, torch.float32)
     reference = paged_decode_attention_reference(q, kc, vc, bt, sl, sliding_window=window)
     assert_close(reference, full, torch.float32)
+
+
+def test_an_unknown_variant_is_refused_by_name():
+    q, kc, vc, bt, sl, _, _ = make_case(4, batch=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
+                                        lengths=[9], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"variant must be one of \('direct', 'pipelined'\), got 'fast'"):
+        paged_decode_attention(q, kc, vc, bt, sl, variant="fast")
 
 
 def test_window_start_is_transformers_sliding_window_mask():
@@ -559,6 +566,22 @@ def test_kernel_model_matches_reference(hq, hkv, head_dim, block_size, lengths, 
     assert_close(modelled, reference.double(), torch.float32)
 
 
+@pytest.mark.parametrize("window", [1, 16, 19, 40])
+def test_split_plan_and_kernel_model_under_a_window(window):
+    """The plan covers the pages a window can touch, not the table (work bounded by W), and the model, which
+    starts at the window's first page and offset, matches float64 with every slot before the windows NaN
+    and the table entries before them -1."""
+    plan = plan_splits(1, 8, 1, 4096, 16, 132, window)
+    pages = -(-(window - 1) // 16) + 1
+    assert plan.num_splits * plan.partition_blocks >= pages
+    assert (plan.num_splits - 1) * plan.partition_blocks < pages, "an always-empty split"
+    assert plan_splits(1, 8, 1, 4096, 16, 132, 10**6) == plan_splits(1, 8, 1, 4096, 16, 132)
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("model-window", window), window, 16, torch.float32)
+    forced = SplitPlan(1, 3, 1, -(-(window - 1) // 16) + 1)  # one page per split: every split boundary
+    for plan in (None, forced):
+        assert_close(kernel_model(q, kc, vc, bt, sl, 0.2, plan=plan, sliding_window=window), expected, torch.float32)
+
+
 def test_kernel_model_uses_the_shape_plan_by_default():
     """With the default plan on a small batch the model really splits (and still matches)."""
     lengths = [600, 5]
@@ -654,8 +677,8 @@ def compiled():
 def test_kernel_sources_build_for_every_target_without_spills(compiled):
     assert set(compiled) == {80, 89, 90}
     for capability, report in compiled.items():
-        # 3 cache kinds x 3 head dims x 4 head tiles, plus the split merge kernel
-        assert report["functions"] == 37, (capability, report["functions"])
+        # 2 variants x 3 cache kinds x 4 head dims x 4 head tiles, plus the split merge kernel
+        assert report["functions"] == 97, (capability, report["functions"])
         assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (capability, report["log"][-3000:])
         assert report["stack_frame"] == 0, (capability, "local memory stack frame")
 
@@ -666,6 +689,27 @@ def test_sass_reads_kv_with_wide_loads(compiled):
         assert any(".128" in op for op in loads), (capability, loads)  # fp16/bf16 K/V rows
         assert any(".64" in op for op in loads), (capability, loads)   # fp8 K/V rows
         assert "BAR.SYNC" in report["sass"] or "BAR.SYNC.DEFER_BLOCKING" in report["sass"]
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """cuobjdump's listing split into {mangled name: its SASS}."""
+    return {part.split()[0]: part for part in re.split(r"Function : ", sass)[1:]}
+
+
+def test_pipelined_variant_copies_fp8_pages_in_16_byte_cp_async_pieces(compiled):
+    """Every fp8 instance of the pipelined variant moves K/V with LDGSTS.128 (cp.async, 16 fp8 values per
+    copy) and has no 8-byte global loads left; the direct variant keeps its 8-byte LDG.64 rows."""
+    for capability, report in compiled.items():
+        functions = sass_functions(report["sass"])
+        fp8 = {name: body for name, body in functions.items() if "paged_decode_kernel" in name and "ElemKindE3" in name}
+        pipelined = {name: body for name, body in fp8.items() if "VariantE1" in name}
+        direct = {name: body for name, body in fp8.items() if "VariantE0" in name}
+        assert len(pipelined) == len(direct) == 16, (capability, len(pipelined), len(direct))
+        for name, body in pipelined.items():
+            assert re.search(r"LDGSTS\.E[A-Z.]*\.128", body), (capability, name)
+            assert not re.search(r"LDG\.E\.64", body), (capability, name)
+        for name, body in direct.items():
+            assert "LDGSTS" not in body and re.search(r"LDG\.E\.64", body), (capability, name)
 
 
 def test_python_model_and_cuda_kernel_share_their_geometry():
@@ -719,15 +763,16 @@ def test_nvcc_facts_read_this_machines_nvcc():
 GPU_CASES = [
     # (batch, hq, hkv, head_dim, block_size, max_len)
     (1, 32, 32, 128, 16, 32768), (4, 32, 8, 128, 16, 4000), (33, 28, 4, 128, 32, 700), (2, 8, 1, 256, 64, 5000),
-    (64, 16, 2, 64, 8, 300), (3, 64, 4, 128, 16, 2050), (5, 71, 1, 64, 32, 900),
+    (64, 16, 2, 64, 8, 300), (3, 64, 4, 128, 16, 2050), (5, 71, 1, 64, 32, 900), (4, 32, 32, 96, 16, 3000),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.cuda_extension
+@pytest.mark.parametrize("variant", list(paged_attention.DECODE_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", GPU_CASES)
-def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype):
+def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, dtype, variant):
     g = generator(case_seed("gpu-len", batch, max_len))
     lengths = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
     lengths[0] = max_len
@@ -737,10 +782,25 @@ def test_gpu_kernel_matches_reference(batch, hq, hkv, head_dim, block_size, max_
     q, kc, vc, bt, sl, _, _ = make_case(seed, batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                                         block_size=block_size, lengths=lengths, dtype=dtype, device="cuda")
     out = poison(torch.empty_like(q))
-    paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True)
+    paged_decode_attention(q, kc, vc, bt, sl, out=out, validate=True, variant=variant)
     reference = paged_decode_attention_reference(q, kc, vc, bt, sl)
     assert_close(out, reference.double(), dtype, scale=2.0)
     assert_float64_subsample(out, q, kc, vc, bt, sl, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_extension
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS + [4096])
+@pytest.mark.parametrize("variant", list(paged_attention.DECODE_VARIANTS))
+def test_gpu_sliding_window_matches_float64(window, dtype, variant):
+    """The CUDA kernel under a window: slots before each window NaN, pages wholly before it -1 in the table."""
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("gpu-window", window, dtype), window, 16, dtype)
+    out = poison(torch.empty_like(q)).cuda()
+    paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), bt.cuda(), sl.cuda(), scale=0.2, out=out,
+                           sliding_window=window, variant=variant)
+    assert_close(out.cpu(), expected, dtype, scale=2.0)
+    assert not out[-1].any(), "a length-0 row must be zeros"
 
 
 def assert_float64_subsample(out, q, k_cache, v_cache, block_tables, seq_lens, dtype, k_scale=None, v_scale=None):

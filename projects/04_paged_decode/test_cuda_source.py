@@ -18,12 +18,14 @@ import torch
 
 from kernel_lab.harness.testing import assert_close, case_seed, poison, randn
 from kernel_lab.ops import cuda_host
-from kernel_lab.ops.paged_attention import SplitPlan, plan_splits
+from kernel_lab.ops.paged_attention import DECODE_VARIANTS, SplitPlan, plan_splits
 
 _spec = importlib.util.spec_from_file_location("paged_decode_tests", Path(__file__).with_name("test_correctness.py"))
 _paged = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_paged)
 attention64, make_case, poison_unread_slots = _paged.attention64, _paged.make_case, _paged.poison_unread_slots
+windowed_case = _paged.windowed_case
+VARIANTS = list(DECODE_VARIANTS)
 
 pytestmark = [pytest.mark.cuda_source,
               pytest.mark.skipif(cuda_host.unavailable() is not None, reason=str(cuda_host.unavailable()))]
@@ -86,14 +88,27 @@ DECODE_CASES = [
     (6, 2, 64, 16, torch.float16, None),                                 # GQA 3 in a tile of 4
     (4, 2, 128, 8, torch.bfloat16, SplitPlan(1, 2, 2, 3)),               # tile 2, two pages per split
     (2, 1, 256, 16, torch.bfloat16, None),                               # head_dim 256, tile 2
+    (6, 2, 96, 16, torch.float16, SplitPlan(1, 3, 1, 3)),                # head_dim 96: 12 lanes in 16
+    (8, 1, 96, 8, torch.bfloat16, None),                                 # head_dim 96, tile 8
 ]
 
 
-@pytest.mark.parametrize("flavour", cuda_host.FLAVOURS)
+# The pipelined variant runs these under the race detector (its cp.async stages are shared memory); its
+# ASan runs are the window and fp8 (project 05) tests, and it computes the direct variant's bits (below).
+@pytest.mark.parametrize("flavour, variant", [("asan", "direct"), ("race", "direct"), ("race", "pipelined")])
 @pytest.mark.parametrize("hq, hkv, head_dim, block_size, dtype, plan", DECODE_CASES)
-def test_cuda_decode_matches_float64(hq, hkv, head_dim, block_size, dtype, plan, flavour):
-    """asan: bounds of every buffer; race: every shared access of the warp merge checked per barrier interval."""
-    check_decode(decode_case(hq, hkv, head_dim, block_size, dtype, plan=plan), flavour=flavour)
+def test_cuda_decode_matches_float64(hq, hkv, head_dim, block_size, dtype, plan, flavour, variant):
+    """asan: bounds of every buffer; race: every shared access (the pipelined variant's cp.async stages, the
+    warp merge) checked per barrier interval."""
+    check_decode(decode_case(hq, hkv, head_dim, block_size, dtype, plan=plan), flavour=flavour, variant=variant)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_the_pipelined_variant_computes_the_same_bits_as_the_direct_one(cache_dtype):
+    """The variants differ in how the Raws reach the registers, not in the maths."""
+    case = decode_case(6, 2, 96, 8, torch.bfloat16, cache_dtype, plan=SplitPlan(1, 3, 2, 3))
+    direct = run_decode(case, variant="direct")
+    assert torch.equal(run_decode(case, variant="pipelined").view(torch.int16), direct.view(torch.int16))
 
 
 def test_cuda_decode_with_strided_q_and_out_and_a_long_sequence():
@@ -110,6 +125,23 @@ def test_cuda_decode_result_does_not_depend_on_thread_or_block_order():
     for seed in (2, 3):
         assert torch.equal(run_decode(case, seed=seed).view(torch.int16), first.view(torch.int16)), seed
     assert torch.equal(run_decode(case, flavour="race", seed=4).view(torch.int16), first.view(torch.int16))
+
+
+# Windows with 16-token pages: inside a page, a page exactly, across a page edge, 2.5 pages, past the context.
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("window, dtype, plan", [
+    (5, torch.float16, None), (16, torch.bfloat16, SplitPlan(1, 3, 1, 3)), (19, torch.float16, SplitPlan(1, 3, 2, 2)),
+    (40, torch.bfloat16, None), (10_000, torch.float16, None),
+])
+def test_cuda_decode_sliding_window_matches_float64(window, dtype, plan, variant):
+    """The slots before each window are NaN and the table entries of pages wholly before it -1 (a read of one
+    is an ASan report); forced plans split the window's pages one or two per split."""
+    q, kc, vc, bt, sl, expected = windowed_case(case_seed("cuda-window", window, dtype), window, 16, dtype)
+    plan = plan or plan_splits(q.shape[0], 6, 2, bt.shape[1], 16, 132, window)
+    out = cuda_host.paged_decode(q, kc, vc, bt, sl, 0.2, plan=plan, out=poison(torch.empty_like(q)),
+                                 sliding_window=window, variant=variant)
+    assert_close(out, expected, dtype, scale=2.0)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "a length-0 row must be exactly zero"
 
 
 @pytest.mark.parametrize("where", [-1, "past_the_pool"])
@@ -236,7 +268,7 @@ MUTATIONS = {
     "skipped_shuffle_stage": ([("for (int offset = kLanes; offset < kWarpSize; offset <<= 1)",
                                 "for (int offset = kLanes; offset < kWarpSize / 2; offset <<= 1)")], "asan",
                               AssertionError),
-    "off_by_one_bound": ([("valid[c] = offset < block_tokens;", "valid[c] = offset <= block_tokens;")], "asan",
+    "off_by_one_bound": ([("valid[c] = offset < pg.tokens;", "valid[c] = offset <= pg.tokens;")], "asan",
                          (AssertionError, cuda_host.SimtError)),  # a NaN slot, or past the pool: ASan
     "swapped_max": ([("const float new_max = fmaxf(run_max[g], chunk_max);",
                       "const float new_max = fminf(run_max[g], chunk_max);")], "asan", AssertionError),

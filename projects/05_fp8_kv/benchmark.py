@@ -36,7 +36,7 @@ def storage_table() -> list[tuple[int, int, float]]:
     """(block_size, head_dim, % saved against fp16) for every supported geometry."""
     rows = []
     for block_size in (8, 16, 32, 64):
-        for head_dim in (64, 128, 256):
+        for head_dim in (64, 96, 128, 256):
             fp16 = kv_cache_bytes(1024, block_size, 8, head_dim, torch.float16)
             fp8 = kv_cache_bytes(1024, block_size, 8, head_dim, FP8_DTYPE)
             rows.append((block_size, head_dim, 100.0 * (1 - fp8 / fp16)))
@@ -68,12 +68,17 @@ def measure(record, layout, batch, context, num_q_heads, num_kv_heads, dtype, de
     def fp16_decode():
         return paged_decode_attention(q, k16, v16, tables, seq_lens, out=out16)
 
-    def fp8_decode():
-        return paged_decode_attention(q, k8, v8, tables, seq_lens, k_scale=k_scale, v_scale=v_scale, out=out8)
+    def fp8_decode(variant="direct"):
+        return paged_decode_attention(q, k8, v8, tables, seq_lens, k_scale=k_scale, v_scale=v_scale, out=out8,
+                                      variant=variant)
 
     label = f"{layout} batch={batch} ctx={context}"
     t16 = benchmark(fp16_decode, device=device, name=f"fp16 {label}")
     t8 = benchmark(fp8_decode, device=device, name=f"fp8 {label}")
+    baselines = {"fp16 paged decode": t16}
+    if device.type == "cuda":  # the CPU paths have one implementation: the variants are CUDA's
+        baselines["fp8 pipelined variant (16-byte cp.async)"] = benchmark(
+            lambda: fp8_decode("pipelined"), device=device, name=f"fp8 pipelined {label}")
     diff = fp8_decode().double() - fp16_decode().double()
     error = {"mean_abs": float(diff.abs().mean()), "max_abs": float(diff.abs().max()),
              "rel_l2": float(diff.norm() / out16.double().norm())}
@@ -84,7 +89,7 @@ def measure(record, layout, batch, context, num_q_heads, num_kv_heads, dtype, de
           f"max_abs={error['max_abs']:.2e} rel_l2={error['rel_l2']:.2e}")
     return record.add_case(label, shape={"layout": layout, "batch": batch, "context": context,
                                          "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads},
-                           dtype="fp8_e4m3", timing=t8, nbytes=fp8_bytes, baselines={"fp16 paged decode": t16},
+                           dtype="fp8_e4m3", timing=t8, nbytes=fp8_bytes, baselines=baselines,
                            extra={"error_vs_fp16": error})
 
 

@@ -195,7 +195,7 @@ def test_write_kv_bad_input(call, error, pattern):
 # --------------------------------------------------------------------------------------------- fp8 decode
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hq, hkv, head_dim, block_size", [(8, 8, 128, 16), (16, 2, 64, 32), (4, 1, 256, 8),
-                                                     (6, 2, 96, 16)])  # 96: CPU only
+                                                     (6, 2, 96, 16)])
 def test_fp8_decode_matches_float64_over_dequantised_cache(hq, hkv, head_dim, block_size, dtype):
     lengths = [1, block_size, block_size + 1, 4 * block_size]
     seed = case_seed("fp8-decode", hq, hkv, head_dim, block_size, dtype)
@@ -364,8 +364,10 @@ def test_gpu_write_kv_matches_the_reference_on_non_finite_inputs(dtype):
 @pytest.mark.cuda_extension
 @pytest.mark.parametrize("batch, hq, hkv, head_dim, block_size, max_len", [
     (1, 32, 32, 128, 16, 16384), (16, 32, 8, 128, 16, 2000), (7, 8, 1, 256, 64, 3000), (40, 16, 16, 64, 8, 500),
+    (6, 32, 8, 96, 16, 1500),  # Phi-3's head_dim
 ])
-def test_gpu_fp8_decode_matches_reference(batch, hq, hkv, head_dim, block_size, max_len):
+@pytest.mark.parametrize("variant", ["direct", "pipelined"])
+def test_gpu_fp8_decode_matches_reference(batch, hq, hkv, head_dim, block_size, max_len, variant):
     g = generator(case_seed("fp8-gpu", batch, max_len))
     lengths = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
     lengths[0] = max_len
@@ -373,7 +375,7 @@ def test_gpu_fp8_decode_matches_reference(batch, hq, hkv, head_dim, block_size, 
                                           num_kv_heads=hkv, head_dim=head_dim, block_size=block_size,
                                           lengths=lengths, dtype=torch.bfloat16, cache_dtype=FP8_DTYPE,
                                           device="cuda")
-    out = paged_decode_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs, validate=True)
+    out = paged_decode_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs, validate=True, variant=variant)
     reference = paged_decode_attention_reference_on(q, kc, vc, bt, sl, ks, vs)
     assert_close(out, reference, torch.bfloat16, scale=2.0)
     _paged.assert_float64_subsample(out, q, kc, vc, bt, sl, torch.bfloat16, ks, vs)

@@ -113,7 +113,7 @@ def test_cuda_write_kv_non_finite_inputs_follow_the_reference():
         assert fp8_bytes_equal(reference.k, host.k) and fp8_bytes_equal(reference.v, host.v)
 
 
-@pytest.mark.parametrize("head_dim, block_size, heads", [(128, 16, 3), (256, 32, 1), (64, 64, 2)])
+@pytest.mark.parametrize("head_dim, block_size, heads", [(128, 16, 3), (256, 32, 1), (64, 64, 2), (96, 16, 3)])
 def test_cuda_write_kv_fp8_other_head_dims_and_page_sizes(head_dim, block_size, heads):
     from kernel_lab.ops import allocate_kv_cache
 
@@ -163,10 +163,12 @@ def test_a_slot_past_the_pool_is_an_asan_error(cache_dtype):
     (8, 2, 64, 16, torch.bfloat16, SplitPlan(1, 4, 1, 3)),
     (4, 1, 256, 8, torch.float16, None),
     (2, 2, 128, 32, torch.bfloat16, SplitPlan(1, 1, 2, 2)),
+    (6, 2, 96, 16, torch.float16, SplitPlan(1, 3, 1, 3)),   # head_dim 96: 12 lanes of data in a group of 16
 ])
-def test_cuda_fp8_decode_matches_float64(arch, flavour, hq, hkv, head_dim, block_size, dtype, plan):
+@pytest.mark.parametrize("variant", ["direct", "pipelined"])
+def test_cuda_fp8_decode_matches_float64(arch, flavour, hq, hkv, head_dim, block_size, dtype, plan, variant):
     case = _source04.decode_case(hq, hkv, head_dim, block_size, dtype, cache_dtype=FP8_DTYPE, plan=plan)
-    _source04.check_decode(case, arch=arch, flavour=flavour)
+    _source04.check_decode(case, arch=arch, flavour=flavour, variant=variant)
 
 
 # --------------------------------------------------------------------------------------------- conversions
@@ -199,8 +201,8 @@ KV_MUTATIONS = {
     # a requantisation loop that runs one row past the page, a max turned into a min in the amax, the row
     # amax's last shuffle stage skipped (kernel_common.cuh's group_max), the __syncwarp that keeps lane 0 from
     # publishing the new scale before its row mates have read the old one
-    "off_by_one_bound": ("kv_cache.cu", [("for (int offset = 0; offset < p.block_size; ++offset)",
-                                          "for (int offset = 0; offset <= p.block_size; ++offset)")]),
+    "off_by_one_bound": ("kv_cache.cu", [("offset < (r.holds_data ? p.block_size : 0); ++offset)",
+                                          "offset <= (r.holds_data ? p.block_size : 0); ++offset)")]),
     "swapped_max": ("kv_cache.cu", [("k_max = fmaxf(k_max, finite_abs(k[e]));",
                                      "k_max = fminf(k_max, finite_abs(k[e]));")]),
     "skipped_shuffle_stage": ("kernel_common.cuh", [("offset > 0; offset >>= 1) v = fmaxf",

@@ -101,6 +101,7 @@ int run_decode() {
   KL_PARAM(batch), KL_PARAM(num_q_heads), KL_PARAM(num_kv_heads), KL_PARAM(head_dim);
   KL_PARAM(block_size), KL_PARAM(log2_block_size), KL_PARAM(heads_per_group), KL_PARAM(head_groups);
   KL_PARAM(partition_blocks), KL_PARAM(num_splits), KL_PARAM(q_is_bf16), KL_PARAM(cache_kind);
+  KL_PARAM(sliding_window), KL_PARAM(variant);
   p.scale = std::stof(g_params.at("scale"));
   return kernel_lab::launch_paged_decode(p, nullptr);
 }
