@@ -124,6 +124,8 @@ class LlamaCpp:
             if len(p) + n > self.max_len:
                 raise ValueError(f"a request of {len(p)} + {n} tokens exceeds max_len {self.max_len}")
         outputs: list[list[int]] = [[] for _ in prompts]
+        # Wall time of each decode-only step (no prompt tokens in it): the batch-1 decode rate at concurrency 1.
+        self.decode_step_seconds: list[float] = []
         pending = deque(range(len(prompts)))
         free = deque(range(self.concurrency))
         active: dict[int, int] = {}  # sequence id -> request index, in admission order
@@ -162,10 +164,12 @@ class LlamaCpp:
                 continue
             # One decode step: the newest token of every active sequence, one batch.
             seqs = list(active)
+            step_start = time.perf_counter()
             self._decode([(outputs[active[s]][-1], len(prompts[active[s]]) + len(outputs[active[s]]) - 1, s, True)
                           for s in seqs])
             for i, seq in enumerate(seqs):
                 outputs[active[seq]].append(self._argmax(i))
+            self.decode_step_seconds.append(time.perf_counter() - step_start)
             for seq in seqs:
                 finish_if_done(seq)
         for r, out in enumerate(outputs):
@@ -216,12 +220,14 @@ def run_workload(model: str, prompts: list[list[int]], output_len, concurrency: 
         start = time.perf_counter()
         outputs = llm.generate(prompts, output_lens)
         elapsed = time.perf_counter() - start
+        decode_step_seconds = llm.decode_step_seconds
     generated = sum(len(o) for o in outputs)
     if generated != sum(output_lens):
         raise RuntimeError(f"llama.cpp generated {generated} tokens; the workload asks for {sum(output_lens)}")
     return {"outputs": outputs, "elapsed_time": elapsed, "generated": generated,
             "prompt_tokens": sum(len(p) for p in prompts), "concurrency": concurrency, "threads": threads,
-            "n_batch": llm.n_batch, "kv_unified": kv_unified, "model": str(model), **versions(lib)}
+            "n_batch": llm.n_batch, "kv_unified": kv_unified, "model": str(model),
+            "decode_step_seconds": decode_step_seconds, **versions(lib)}
 
 
 def llama_cpp_greedy(model_path: str, prompts_token_ids: list[list[int]], max_tokens: int, threads: int,

@@ -69,15 +69,26 @@ def _bench_kernel_lab(args, workload) -> dict:
     for i, (prompt, out_len) in enumerate(workload):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     generated = 0
+    tokens_so_far: dict[str, int] = {}
+    decode_step_seconds = []  # steps whose every token follows an earlier one: no prompt's first token
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            generated += len(out.outputs[0].new_token_ids)
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_seconds = time.perf_counter() - step_start
+        first_token = False
+        for out in outputs:
+            new = len(out.outputs[0].new_token_ids)
+            first_token |= tokens_so_far.get(out.request_id, 0) == 0
+            tokens_so_far[out.request_id] = tokens_so_far.get(out.request_id, 0) + new
+            generated += new
+        if outputs and not first_token:
+            decode_step_seconds.append(step_seconds)
     elapsed = time.perf_counter() - start
     import torch
 
     return {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
             "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "decode_step_seconds": decode_step_seconds}
 
 
 def _set_torch_threads(args) -> None:
@@ -205,17 +216,27 @@ def _bench_llama_cpp(args, workload) -> dict:
         raise SystemExit("llama.cpp did not generate exactly the requested number of tokens per request")
     return {"elapsed_time": out["elapsed_time"], "generated": out["generated"], "device": "cpu",
             "dtype": "gguf weights as stored (8-bit activations in quantized dot products, f16 KV cache)",
-            "threads": threads,
+            "threads": threads, "decode_step_seconds": out["decode_step_seconds"],
             "llama_cpp": {"version": out["llama_cpp_python"], "system_info": out["system_info"],
                           "gguf": str(model), "python": str(python), "n_batch": out["n_batch"],
                           "kv_unified": out["kv_unified"]}}
+
+
+def decode_step_summary(seconds: list[float]) -> dict:
+    """Decode-only steps' wall times (ms: median, p20, p80, min, count). At concurrency 1 every such step
+    makes one token, so 1000 / median_ms is the batch-1 decode rate, prompt processing excluded."""
+    from kernel_lab.harness.bench import summarize
+
+    return summarize([t * 1e3 for t in seconds], {"kind": "wall clock of each decode-only step"}).to_dict()
 
 
 def run_bench_throughput(args) -> int:
     from kernel_lab.models.loader import load_config, resolve_model_dir
     from kernel_lab.models.tokenizer import Tokenizer
 
-    model_dir = resolve_model_dir(args.model)
+    # The workload needs only the tokenizer and config: a GGUF's float32 export (4 bytes a parameter) is made
+    # only by the baselines that read it (transformers, vLLM).
+    model_dir = resolve_model_dir(args.model, float_weights=False)
     tokenizer = Tokenizer.from_directory(model_dir)
     vocab = int(load_config(model_dir)["vocab_size"])
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.dataset_name,
@@ -246,6 +267,8 @@ def run_bench_throughput(args) -> int:
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
     }
+    if result.get("decode_step_seconds"):
+        summary["decode_steps"] = decode_step_summary(result["decode_step_seconds"])
     if "stats" in result:
         summary["engine_stats"] = result["stats"]
     if "llama_cpp" in result:

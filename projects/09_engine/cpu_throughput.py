@@ -1,8 +1,9 @@
 """CPU throughput of the engine against transformers' batched `generate`, vLLM CPU and llama.cpp, on the same
 workload.
 
-    python projects/09_engine/cpu_throughput.py [--concurrency 1 8 32] [--threads 1 2] [--num-prompts 32]
-        [--backends transformers vllm llama.cpp] [--engine-args "--max-num-batched-tokens 512"] [--out results]
+    python projects/09_engine/cpu_throughput.py [--model FILE.gguf|DIR] [--concurrency 1 8 32] [--threads 1 2]
+        [--num-prompts 32] [--backends transformers vllm llama.cpp] [--prompt-throughput 512]
+        [--engine-args "--max-num-batched-tokens 512"] [--out results]
 
 For each (concurrency, threads) it runs `kernel-lab bench throughput` in fresh processes, once per backend,
 on the same fixed-length workload (the same random token ids, greedy, EOS ignored), and keeps the raw JSON
@@ -18,6 +19,13 @@ llama-cpp-env`), continuous batching with max_num_seqs sequences and `threads` t
 Python is absent is skipped with a note. It then writes one result record with a case per (concurrency,
 threads): our output tok/s, with each baseline's wall time on the same workload (so `speedup` is the
 throughput ratio). Long: minutes per point on a 2-core CPU, dominated by concurrency 1.
+
+`--model` (default: the bundled SmolLM2-135M-Instruct GGUF) names the model every backend runs; the record's
+title and raw directory carry its label (`--model-label`, default the file's directory and stem). At
+concurrency 1 the case also gives each backend's batch-1 decode rate (1 / median wall time of a decode-only
+step, prompt processing excluded) and ours as a percent of the weight-read ceiling. `--prompt-throughput N`
+adds, per thread count, a prompt-processing point like llama-bench's ppN: `--num-prompts-pp` prompts of N
+tokens, one output token each, one request at a time, measured as prompt tokens / wall time.
 """
 
 from __future__ import annotations
@@ -49,12 +57,28 @@ ENGINE_VARIANTS = {"kernel-lab-fp32": ["--weights", "float32"]}
 REPEATED = ("kernel-lab", "llama.cpp")
 
 
-def raw_name(backend: str, concurrency: int, threads: int, repeat: int = 0) -> str:
-    return f"{backend}-c{concurrency}-t{threads}" + (f"-r{repeat}" if repeat else "") + ".json"
+BUNDLED_LABEL = "SmolLM2-135M-Instruct (bundled)"
+
+
+def raw_name(backend: str, concurrency: int, threads: int, repeat: int = 0, prompt_len: int = 0) -> str:
+    point = f"pp{prompt_len}-t{threads}" if prompt_len else f"c{concurrency}-t{threads}"
+    return f"{backend}-{point}" + (f"-r{repeat}" if repeat else "") + ".json"
+
+
+def model_label(model: str | None) -> str:
+    if model is None:
+        return BUNDLED_LABEL
+    path = Path(model)
+    return f"{path.parent.name} {path.stem}" if path.is_file() else path.name
+
+
+def slug(label: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
 
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
-          threads: int, python: str = sys.executable, reuse: bool = False, extra_args: list[str] = ()) -> dict:
+          threads: int, python: str = sys.executable, reuse: bool = False, extra_args: list[str] = (),
+          model: str | None = None) -> dict:
     if reuse:  # build the record from an earlier run's raw outputs
         result = json.loads(out.read_text())
         expected = {"backend": backend, "concurrency": concurrency, "num_prompts": num_prompts,
@@ -65,7 +89,8 @@ def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, outp
     cmd = [python, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
            "--dataset-name", "fixed", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",
-           "--device", "cpu", "--threads", str(threads), "--output-json", str(out), *extra_args]
+           "--device", "cpu", "--threads", str(threads), "--output-json", str(out), *extra_args,
+           *(["--model", str(model)] if model else [])]
     env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
            **vllm_cpu_env(f"0-{threads - 1}")}
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
@@ -97,17 +122,31 @@ def _spread(summary: dict) -> str:
     return f" (runs {min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
 
 
-def fp32_weight_bytes() -> int:
-    return 4 * ModelConfig.from_hf(load_config(resolve_model_dir(None))).num_parameters
+def fp32_weight_bytes(model: str | None = None) -> int:
+    return 4 * ModelConfig.from_hf(load_config(resolve_model_dir(model, float_weights=False))).num_parameters
 
 
-def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultRecord:
+def decode_rate(summary: dict) -> float | None:
+    """Batch-1 decode tok/s of a concurrency-1 run: 1 / median decode-only step (None for older raw outputs)."""
+    steps = summary.get("decode_steps")
+    return 1e3 / steps["median_ms"] if steps else None
+
+
+def prompt_rate(summary: dict) -> float:
+    return summary["total_prompt_tokens"] / summary["elapsed_time"]
+
+
+def build_record(runs: dict, args, copy_gbps: float | None = None, prompt_runs: dict | None = None) -> ResultRecord:
     """One record from the runs {(concurrency, threads): (ours, {backend: theirs})}: a case per point, our
     output tok/s with each baseline's timing, and the weight-read bound from the bytes a decode step reads
-    (the engine's stats; the fp32 weights when an older raw output lacks them)."""
+    (the engine's stats; the fp32 weights when an older raw output lacks them); then a case per prompt
+    throughput point {threads: (ours, {backend: theirs})}."""
     names = [BASELINES[b] for b in args.backends]
-    record = ResultRecord("09_engine", "CPU throughput vs transformers, vLLM CPU and llama.cpp", "cpu",
-                          description=f"bundled SmolLM2-135M-Instruct; {args.input_len} prompt + {args.output_len} "
+    label = args.model_label or model_label(args.model)
+    title = ("CPU throughput vs transformers, vLLM CPU and llama.cpp" if args.model is None
+             else f"CPU throughput on {label}")
+    record = ResultRecord("09_engine", title, "cpu",
+                          description=f"{label}; {args.input_len} prompt + {args.output_len} "
                                       "output tokens per request (the same random ids for every backend, greedy, "
                                       "EOS ignored); kernel-lab: engine defaults (float32 activations, "
                                       "weights=auto: the GGUF's quantized blocks on CPU)"
@@ -124,7 +163,7 @@ def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultReco
         shape = {"concurrency": c, "threads": t, "num_prompts": ours["num_prompts"], "input_len": args.input_len,
                  "output_len": args.output_len}
         stats = ours.get("engine_stats", {})
-        weight_bytes = stats.get("weight_bytes") or fp32_weight_bytes()
+        weight_bytes = stats.get("weight_bytes") or fp32_weight_bytes(args.model)
         record.record.setdefault("weight_bytes", weight_bytes)
         # Ceiling: each decode step reads every weight once and yields `c` tokens, so the copy bandwidth bounds
         # output tok/s by c * bandwidth / weight bytes (an upper bound: it ignores prefill and compute).
@@ -142,20 +181,73 @@ def build_record(runs: dict, args, copy_gbps: float | None = None) -> ResultReco
                  "percent_of_ceiling": 100.0 * ours_tok_s / bound_tok_s}
         if "llama.cpp" in theirs:
             extra["llama_cpp"] = theirs["llama.cpp"].get("llama_cpp")
+        if c == 1 and decode_rate(ours):
+            single = copy_gbps * 1e9 / weight_bytes
+            extra["batch1_decode"] = {
+                "method": "1 / median wall time of the decode-only steps of the median run (prompt processing "
+                          "excluded); ceiling: copy GB/s / bytes of weights one step reads",
+                "tok_s": {"kernel-lab": decode_rate(ours),
+                          **{BASELINES[b]: decode_rate(r) for b, r in theirs.items() if decode_rate(r)}},
+                "steps_ms": {"kernel-lab": ours["decode_steps"],
+                             **{BASELINES[b]: r["decode_steps"] for b, r in theirs.items() if decode_rate(r)}},
+                "ceiling_tok_s": single, "percent_of_ceiling": 100.0 * decode_rate(ours) / single}
         record.add_case(f"output tok/s, concurrency {c}, {t} thread{'s' if t > 1 else ''}", shape=shape,
                         dtype="float32", timing=_timing(ours),
                         baselines={BASELINES[b]: _timing(r) for b, r in theirs.items()}, extra=extra)
         print(f"concurrency {c}, {t} thread(s): kernel-lab {ours_tok_s:.1f} output tok/s{_spread(ours)}; " +
               "; ".join(f"{b} {r['output_tokens_per_second']:.1f}{_spread(r)} ({ratios[(c, t)][BASELINES[b]]:.2f}x)"
                         for b, r in theirs.items()))
-    record.set_headline("output tok/s, kernel-lab / baseline: " + "; ".join(
-        f"c{c} t{t}: " + (", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) or "no baseline")
+    for t, (ours, theirs) in (prompt_runs or {}).items():
+        ours_rate = prompt_rate(ours)
+        shape = {"concurrency": 1, "threads": t, "num_prompts": ours["num_prompts"],
+                 "input_len": args.prompt_throughput, "output_len": 1}
+        ratio = {BASELINES[b]: ours_rate / prompt_rate(r) for b, r in theirs.items()}
+        record.add_case(f"prompt tok/s, {args.prompt_throughput}-token prompts, {t} thread{'s' if t > 1 else ''}",
+                        shape=shape, dtype="float32", timing=_timing(ours),
+                        baselines={BASELINES[b]: _timing(r) for b, r in theirs.items()},
+                        extra={"metric": {"unit": "tok/s", "value": ours_rate}, "quantity": "prompt tokens per second",
+                               "method": "prompt tokens / wall time; each request runs alone and makes one output "
+                                         "token (its prefill and one sampling), like llama-bench's pp",
+                               "baseline_prompt_tok_s": {BASELINES[b]: prompt_rate(r) for b, r in theirs.items()},
+                               "ratio": ratio})
+        ratios[("pp", t)] = ratio
+        print(f"prompt throughput ({args.prompt_throughput}-token prompts), {t} thread(s): kernel-lab "
+              f"{ours_rate:.1f} prompt tok/s; " + "; ".join(
+                  f"{b} {prompt_rate(r):.1f} ({ratio[BASELINES[b]]:.2f}x)" for b, r in theirs.items()))
+    record.set_headline(("" if args.model is None else f"{label}: ") + "tok/s, kernel-lab / baseline: " + "; ".join(
+        (f"pp{args.prompt_throughput} t{t}: " if c == "pp" else f"c{c} t{t}: ")
+        + (", ".join(f"{r:.2f}x {b}" for b, r in rs.items()) or "no baseline")
         for (c, t), rs in ratios.items()))
     return record
 
 
+def run_point(args, pythons: dict, raw: Path, c: int, t: int, input_len: int, output_len: int, n: int,
+              prompt_len: int = 0) -> tuple[dict, dict]:
+    """(our median run, {backend: its median run}) at one point; kernel-lab and llama.cpp alternate
+    `--repeats` times, the other baselines run once."""
+    done = {b: [] for b in ["kernel-lab", *args.backends]}
+    for r in range(args.repeats):
+        for b in done:
+            if r and b not in REPEATED:
+                continue
+            if b == "kernel-lab":
+                backend, python, extra = b, sys.executable, args.engine_args
+            elif b in ENGINE_VARIANTS:
+                backend, python, extra = "kernel-lab", sys.executable, [*args.engine_args, *ENGINE_VARIANTS[b]]
+            else:
+                backend, python = b, pythons[b] if b == "vllm" else sys.executable
+                extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
+            done[b].append(bench(backend, c, n, input_len, output_len, raw / raw_name(b, c, t, r, prompt_len),
+                                 t, python, reuse=args.reuse_raw, extra_args=extra, model=args.model))
+    ours = median_run(done.pop("kernel-lab"))
+    return ours, {b: median_run(v) for b, v in done.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file or Hugging Face directory for every backend (default: the bundled model)")
+    parser.add_argument("--model-label", default=None, help="the model's name in the record (default: from the path)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-prompts-c1", type=int, default=8,
@@ -166,6 +258,9 @@ def main(argv=None) -> int:
                         help="intra-op threads / cores of every backend, one run per value (default: 1 and all)")
     parser.add_argument("--backends", nargs="*", default=list(BASELINES), choices=list(BASELINES),
                         help="baselines to run beside kernel-lab (default: all whose Python is present)")
+    parser.add_argument("--prompt-throughput", type=int, default=0, metavar="N",
+                        help="also measure prompt throughput on N-token prompts (like llama-bench's ppN)")
+    parser.add_argument("--num-prompts-pp", type=int, default=4, help="prompts per prompt-throughput point")
     parser.add_argument("--engine-args", default="",
                         help="extra `kernel-lab bench throughput` arguments for our engine, one string")
     parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
@@ -180,6 +275,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.engine_args = shlex.split(args.engine_args)
     raw = Path(args.out) / "09_engine" / "raw"
+    if args.model is not None:
+        raw = raw / slug(args.model_label or model_label(args.model))
     raw.mkdir(parents=True, exist_ok=True)
     pythons = {"transformers": sys.executable, "vllm": args.vllm_python, "llama.cpp": args.llama_cpp_python,
                "kernel-lab-fp32": sys.executable}
@@ -196,25 +293,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs = {}
     for c in args.concurrency:
-        n = args.num_prompts_c1 if c == 1 else args.num_prompts
         for t in args.threads:
-            done = {b: [] for b in ["kernel-lab", *args.backends]}
-            for r in range(args.repeats):
-                for b in done:
-                    if r and b not in REPEATED:
-                        continue
-                    if b == "kernel-lab":
-                        backend, python, extra = b, sys.executable, args.engine_args
-                    elif b in ENGINE_VARIANTS:
-                        backend, python, extra = "kernel-lab", sys.executable, [*args.engine_args, *ENGINE_VARIANTS[b]]
-                    else:
-                        backend, python = b, pythons[b] if b == "vllm" else sys.executable
-                        extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
-                    done[b].append(bench(backend, c, n, args.input_len, args.output_len, raw / raw_name(b, c, t, r),
-                                         t, python, reuse=args.reuse_raw, extra_args=extra))
-            ours = median_run(done.pop("kernel-lab"))
-            runs[(c, t)] = (ours, {b: median_run(v) for b, v in done.items()})
-    build_record(runs, args).emit(args.out)
+            runs[(c, t)] = run_point(args, pythons, raw, c, t, args.input_len, args.output_len,
+                                     args.num_prompts_c1 if c == 1 else args.num_prompts)
+    prompt_runs = {t: run_point(args, pythons, raw, 1, t, args.prompt_throughput, 1, args.num_prompts_pp,
+                                prompt_len=args.prompt_throughput)
+                   for t in (args.threads if args.prompt_throughput else [])}
+    build_record(runs, args, prompt_runs=prompt_runs).emit(args.out)
     return 0
 
 

@@ -149,3 +149,60 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     assert "--max-num-batched-tokens" not in llama
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
     assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp", "kernel-lab, float32 weights"}
+
+
+def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypatch):
+    """--model reaches every backend's command and names the record; at concurrency 1 the case gives each
+    backend's batch-1 decode rate from its decode-only steps and ours against the one-step weight-read bound;
+    --prompt-throughput adds a case of prompt tok/s per thread count."""
+    model = tmp_path / "random-llama-1b-v1" / "Q4_K_M.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(cpu_throughput, "fp32_weight_bytes", lambda model=None: pytest.fail("engine stats absent"))
+    commands = []
+    real_run = cpu_throughput.subprocess.run
+    step_ms = {"kernel-lab": 50.0, "llama.cpp": 40.0}
+    prompt_s = {"kernel-lab": 4.0, "llama.cpp": 5.0}
+
+    def fake_run(cmd, **kwargs):
+        if "throughput" not in cmd:  # e.g. the environment record's git call
+            return real_run(cmd, **kwargs)
+        commands.append(cmd)
+        backend = cmd[cmd.index("--backend") + 1]
+        c, t = int(cmd[cmd.index("--max-num-seqs") + 1]), int(cmd[cmd.index("--threads") + 1])
+        n, input_len = int(cmd[cmd.index("--num-prompts") + 1]), int(cmd[cmd.index("--input-len") + 1])
+        output_len = int(cmd[cmd.index("--output-len") + 1])
+        out = summary(backend, c, t, n, SPEEDS[backend], input_len, output_len)
+        out["total_prompt_tokens"] = n * input_len
+        if output_len == 1:
+            out["elapsed_time"] = prompt_s[backend]
+        out["decode_steps"] = {"median_ms": step_ms[backend], "p20_ms": 1.0, "p80_ms": 2.0, "min_ms": 1.0,
+                               "samples": 7, "method": {}}
+        Path(cmd[cmd.index("--output-json") + 1]).write_text(json.dumps(out))
+
+    monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
+    fake_python = tmp_path / "llama-python"
+    fake_python.write_text("")
+    cpu_throughput.main(["--model", str(model), "--out", str(tmp_path), "--concurrency", "1", "--threads", "2",
+                         "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "1",
+                         "--backends", "llama.cpp", "--llama-cpp-python", str(fake_python),
+                         "--prompt-throughput", "512", "--num-prompts-pp", "3"])
+    assert all(cmd[cmd.index("--model") + 1] == str(model) for cmd in commands) and len(commands) == 4
+    raw = tmp_path / "09_engine" / "raw" / "random-llama-1b-v1-q4-k-m"
+    assert sorted(p.name for p in raw.iterdir()) == ["kernel-lab-c1-t2.json", "kernel-lab-pp512-t2.json",
+                                                     "llama.cpp-c1-t2.json", "llama.cpp-pp512-t2.json"]
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-on-*.json")
+    record = json.loads(path.read_text())
+    results.validate(record)
+    assert record["benchmark"] == "CPU throughput on random-llama-1b-v1 Q4_K_M"
+    decode, prompt = record["cases"]
+    b1 = decode["batch1_decode"]
+    assert b1["tok_s"] == {"kernel-lab": pytest.approx(20.0), "llama.cpp": pytest.approx(25.0)}
+    single = COPY_GBPS * 1e9 / WEIGHT_BYTES
+    assert b1["ceiling_tok_s"] == pytest.approx(single)
+    assert b1["percent_of_ceiling"] == pytest.approx(100 * 20.0 / single)
+    assert prompt["shape"] == {"concurrency": 1, "threads": 2, "num_prompts": 3, "input_len": 512, "output_len": 1}
+    assert prompt["quantity"] == "prompt tokens per second"
+    assert prompt["metric"] == {"unit": "tok/s", "value": pytest.approx(3 * 512 / 4.0)}
+    assert prompt["ratio"] == {"llama.cpp": pytest.approx(5.0 / 4.0)}
+    assert "pp512 t2: 1.25x llama.cpp" in record["headline"]["text"]
