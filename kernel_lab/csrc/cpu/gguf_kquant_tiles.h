@@ -105,7 +105,9 @@ static inline __m256 bytes_to_floats(const uint8_t *p, int is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
 }
 
-/* One tile (8 weight rows) in a K-quant format against rows [r0, r0 + MR) of x (as tile_rows). */
+/* One tile (8 weight rows) in a K-quant format against rows [r0, r0 + MR) of x (as tile_rows). `type` is a
+ * constant at the call site and the sub-block loop is unrolled, so each sub-block's nibble and bit shifts
+ * are immediates (rolled, Q6_K's variable-count shifts ran at a third of the speed). */
 static inline __attribute__((always_inline)) void kq_tile_rows(int type, const uint8_t *tile, const QuantizedRows *x,
                                                                 int64_t r0, const int MR, float *out, int64_t ldo) {
     const int64_t nb = x->nb, tsb = kq_tile_block_bytes(type);
@@ -114,6 +116,7 @@ static inline __attribute__((always_inline)) void kq_tile_rows(int type, const u
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *blk = tile + sb * tsb;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+#pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = 8 * sb + t; /* the activation block */
             __m256i w[8];
@@ -199,6 +202,7 @@ static inline __attribute__((always_inline)) void kq_tile_pair_rows(int type, co
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *blk = tile + sb * tsb, *blk2 = tile + tile_bytes + sb * tsb;
         const __m512 d = halves_pair(blk, blk2);
+#pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = 8 * sb + t;
             __m512i w[8];
