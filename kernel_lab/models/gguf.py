@@ -17,6 +17,7 @@ undoes that, so the weights match what transformers loads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -216,15 +217,28 @@ def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
     return config, state_dict, tok_meta
 
 
+def _open_gguf(path: Path):
+    """The parsed file, shared by the loads of one engine (its quantized blocks, then the tensors without a
+    kernel): parsing a vocabulary's metadata twice cost a 1B model's cold start a few tenths of a second.
+    Keyed by size and mtime, so a rewritten file is parsed again."""
+    stat = path.stat()
+    return _open_gguf_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open_gguf_cached(path: str, size: int, mtime_ns: int):
+    from .gguf_file import GGUFFile
+
+    return GGUFFile(path)
+
+
 class _Tensors:
     """A GGUF file's tensors under Hugging Face names, read from its memory map (models/gguf_file.py): each
     one's raw rows (q/k rows un-permuted, as transformers lays them out) and its float32 values."""
 
     def __init__(self, path):
-        from .gguf_file import GGUFFile
-
         self.path = Path(path)
-        self.file = GGUFFile(self.path)
+        self.file = _open_gguf(self.path)
         self.metadata = self.file.metadata
         arch, _, _, self.permuted, _ = _architecture(self.metadata, self.path)
         self.config = config_from_metadata(self.metadata, has_output_weight="output.weight" in self.file.tensors,

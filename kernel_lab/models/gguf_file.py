@@ -119,6 +119,25 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise ValueError(f"{str(self.path)!r} is corrupt: {what} before offset {self._at} is not UTF-8") from None
 
+    def _strings(self, count: int, key: str) -> list[str]:
+        """`count` length-prefixed strings (a vocabulary: ~10^5 of them), read in one tight loop: through
+        _string they took about a second per 10^5 on a 2-core VM, most of a 1B model's load."""
+        buffer, size, at, out = self._buffer, self.size, self._at, []
+        length = struct.Struct("<Q").unpack_from
+        for i in range(count):
+            n = length(buffer, at)[0] if at + 8 <= size else None
+            if n is None or at + 8 + n > size:
+                raise ValueError(f"{str(self.path)!r} is truncated or corrupt: item {i} of {key!r} at offset {at} "
+                                 f"needs {8 if n is None else 8 + n} bytes, the file has {size}")
+            try:
+                out.append(str(buffer[at + 8:at + 8 + n], "utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError(f"{str(self.path)!r} is corrupt: item {i} of {key!r} at offset {at} is not "
+                                 "UTF-8") from None
+            at += 8 + n
+        self._at = at
+        return out
+
     def _value(self, vtype: int, key: str):
         self.value_types[key] = (vtype, None)
         if vtype == STRING:
@@ -127,7 +146,7 @@ class GGUFFile:
             item_type, count = self._unpack("<IQ", f"the array header of {key!r}")
             self.value_types[key] = (vtype, item_type)
             if item_type == STRING:
-                return [self._string(f"item {i} of {key!r}") for i in range(count)]
+                return self._strings(count, key)
             if item_type not in _NUMPY:
                 raise ValueError(f"{str(self.path)!r}: {key!r} is an array of unsupported type {item_type}")
             dtype = np.dtype(_NUMPY[item_type])
