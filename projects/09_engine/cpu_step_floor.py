@@ -1,11 +1,11 @@
 """Where a CPU decode step goes: the engine's whole step against its projections alone.
 
-    python projects/09_engine/cpu_step_floor.py [--batch 1 8 32] [--weights quantized float32] [--threads 1 2]
-                                                [--out results]
+    python projects/09_engine/cpu_step_floor.py [--model FILE.gguf] [--batch 1 8 32] [--weights quantized float32]
+                                                [--threads 1 2] [--out results]
 
 For each weight layout (`--weights`: the GGUF's quantized blocks, the engine's CPU default, and float32),
-thread count and batch size it builds the engine on the bundled model (float32 activations), brings `batch`
-sequences of `--input-len` random prompt tokens into steady decode, and times `LLMEngine.step()` (one
+thread count and batch size it builds the engine on the bundled model or `--model` (float32 activations), brings
+`batch` sequences of `--input-len` random prompt tokens into steady decode, and times `LLMEngine.step()` (one
 token per sequence). It then times that step's projections alone, through the model's own layers on
 activations of the step's shape (every layer's qkv, o, gate_up and down projection, and the lm_head; with
 quantized weights inside `kernel_threads`, as the step runs them). What is left of the step is everything
@@ -69,10 +69,11 @@ def projection_gemms(model, rows: int, with_lm_head: bool):
     return run, flops
 
 
-def decode_step_timing(batch: int, input_len: int, steps: int, warmup: int, seed: int, weights: str):
+def decode_step_timing(batch: int, input_len: int, steps: int, warmup: int, seed: int, weights: str,
+                       model: str | None = None):
     """Timing of `steps` steady decode steps at `batch` sequences, and the engine (for its model)."""
     rng = random.Random(seed)
-    engine = LLMEngine(None, dtype="float32", device="cpu", weights=weights, max_num_seqs=batch,
+    engine = LLMEngine(model, dtype="float32", device="cpu", weights=weights, max_num_seqs=batch,
                        enable_prefix_caching=False,
                        max_model_len=input_len + warmup + steps + 8)
     params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
@@ -95,6 +96,7 @@ def decode_step_timing(batch: int, input_len: int, steps: int, warmup: int, seed
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--weights", nargs="+", choices=["quantized", "float32"], default=["quantized", "float32"])
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all cores")
@@ -109,9 +111,12 @@ def main(argv=None) -> int:
     cores = os.cpu_count() or 1
     threads_list = args.threads or sorted({1, cores})
 
-    record = ResultRecord("09_engine", "CPU decode step vs its GEMMs", "cpu",
-                          description="bundled SmolLM2-135M-Instruct, float32 activations, the engine's weight "
-                                      "layouts: quantized (the GGUF's Q4_1/Q8_0 blocks through gguf_linear, the "
+    label = "bundled SmolLM2-135M-Instruct" if args.model is None else \
+        f"{Path(args.model).parent.name} {Path(args.model).stem}"
+    record = ResultRecord("09_engine", "CPU decode step vs its GEMMs" + ("" if args.model is None else f" on {label}"),
+                          "cpu",
+                          description=f"{label}, float32 activations, the engine's weight "
+                                      "layouts: quantized (the GGUF's blocks through gguf_linear, the "
                                       "CPU default) and float32 (MKL for 1 row, oneDNN blocked weights from 2 "
                                       "rows); the whole engine decode step against the same step's projections "
                                       "run alone through the model's own layers, and a workload bound for "
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
             shares, floors = [], []
             for batch in args.batch:
                 step, engine = decode_step_timing(batch, args.input_len, args.steps, warmup=3, seed=batch,
-                                                  weights=weights)
+                                                  weights=weights, model=args.model)
                 model = engine.runner.model
                 label = f"{weights} weights, {threads} thread{'s' if threads > 1 else ''}"
                 shape = {"weights": weights, "threads": threads}
@@ -152,7 +157,9 @@ def main(argv=None) -> int:
                     f"decode step, batch {batch}, {label}",
                     shape={**shape, "batch": batch, "input_len": args.input_len}, dtype="float32", timing=step,
                     extra={"gemm_only": {"timing": gemm.to_dict(), "flops": flops,
-                                         "tflops": flops / (gemm.median_ms * 1e-3) / 1e12},
+                                         "tflops": flops / (gemm.median_ms * 1e-3) / 1e12,
+                                         "weight_bytes": model.decode_weight_bytes(),
+                                         "weight_GBps": model.decode_weight_bytes() / (gemm.median_ms * 1e-3) / 1e9},
                            "gemm_share_of_step": share,
                            "workload": {"concurrency": batch, "num_prompts": prompts, "input_len": args.input_len,
                                         "output_len": args.output_len},
