@@ -71,7 +71,7 @@ class ModelRunner:
         # layers on a CPU; on CUDA, prefill keeps SDPA's flash kernel.
         self.quantized_weights = any(isinstance(m, QuantizedLinear) for m in model.modules())
         self.prompt_tokens_decode = (device.type == "cpu" and config.dtype == config.kv_cache_dtype == torch.float32
-                                     and load_library() is not None)
+                                     and load_library() is not None and load_library("norm_activation") is not None)
 
         self.max_num_seqs = config.max_num_seqs
         self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < self.max_num_seqs} | {self.max_num_seqs})

@@ -46,7 +46,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None      # int32 [num_decode_tokens]; 0 = padding row
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Every row decodes, on CPU in float32 with the C kernels loaded, and the slots and tables were checked
-    # for the step: layers may call rope_write_paged_attention.
+    # for the step: layers may call rope_write_paged_attention and the unchecked norm and activation calls.
     fused_cpu_decode: bool = False
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kernel_lab import ops
+from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import QuantizedWeight
 
 from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
@@ -101,8 +102,10 @@ class DenseMLP(nn.Module):
         self.down_proj = linear_for([weights["mlp.down_proj.weight"]])
         self.gelu = {"gelu_tanh": "tanh", "gelu": "none"}.get(config.hidden_act)
 
-    def forward(self, x):
+    def forward(self, x, fused_cpu_decode: bool = False):
         gate_up = self.gate_up_proj(x)
+        if fused_cpu_decode and not self.gelu:
+            return self.down_proj(cpu_kernels.silu_and_mul_decode(gate_up))
         return self.down_proj(ops.gelu_and_mul(gate_up, approximate=self.gelu) if self.gelu
                               else ops.silu_and_mul(gate_up))
 
@@ -125,7 +128,7 @@ class MixtureOfExperts(nn.Module):
         self.w_down = param(torch.stack([weights[f"{prefix}experts.{j}.w2.weight"] for j in experts]))
         self.top_k = config.experts_per_token
 
-    def forward(self, x):
+    def forward(self, x, fused_cpu_decode: bool = False):
         return ops.moe(x, self.w_gate_up, self.w_down, self.router(x), self.top_k, renormalize=True)
 
     def projections(self):
@@ -162,12 +165,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden, residual, cache: LayerKVCache,
                 meta: AttentionMetadata):
-        eps = self.config.rms_norm_eps
+        eps, fused = self.config.rms_norm_eps, meta.fused_cpu_decode
+        add_rms_norm = cpu_kernels.add_rms_norm_decode if fused else ops.fused_add_rms_norm
         if residual is None:
             residual = hidden
             hidden = ops.rms_norm(hidden, self.input_norm, eps)
         else:
-            hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, eps)
+            hidden, residual = add_rms_norm(hidden, residual, self.input_norm, eps)
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None:
             self.normalize_qk(qkv)
@@ -181,8 +185,8 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k, v.reshape(tokens, -1, d), cache, meta, self.scale,
                                    self.window).view(tokens, -1)
         hidden = self.o_proj(attn)
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, eps)
-        return self.mlp(hidden), residual
+        hidden, residual = add_rms_norm(hidden, residual, self.post_attention_norm, eps)
+        return self.mlp(hidden, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):

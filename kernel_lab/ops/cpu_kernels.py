@@ -300,6 +300,29 @@ def add_rms_norm_cpu(x, residual, weight, eps: float, out, residual_out) -> bool
     return True
 
 
+def add_rms_norm_decode(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual) for a fused CPU decode step's dense float32 rows
+    [T, H], by kl_add_rms_norm_f32. No checks, as rope_write_paged_attention_cpu: between a step's
+    projections the interpreter runs with cold caches, and ops.fused_add_rms_norm's checks and views took
+    about 80 us a call there, a norm's C work a microsecond."""
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    rows, h = x.shape
+    load_library("norm_activation").kl_add_rms_norm_f32(
+        x.data_ptr(), h, residual.data_ptr(), h, weight.data_ptr(), eps, out.data_ptr(), h,
+        new_residual.data_ptr(), h, rows, h)
+    return out, new_residual
+
+
+def silu_and_mul_decode(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :d]) * x[:, d:] for a fused CPU decode step's dense float32 rows [T, 2d], unchecked (as
+    add_rms_norm_decode)."""
+    rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, d, dtype=x.dtype)
+    load_library("norm_activation").kl_silu_and_mul_f32(x.data_ptr(), 2 * d, out.data_ptr(), d, rows, d)
+    return out
+
+
 def gated_activation_cpu(x, out, activation: str) -> bool:
     """out [.., d] = activation(x[.., :d]) * x[.., d:] by the C kernel, activation "silu", "gelu" or
     "gelu_tanh"; False (nothing written) means: use the reference. float32 CPU rows with unit stride;
