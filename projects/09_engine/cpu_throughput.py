@@ -48,13 +48,13 @@ from kernel_lab.models.config import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
 
 BASELINES = {"transformers": "transformers generate", "vllm": "vLLM CPU (eager)", "llama.cpp": "llama.cpp",
-             "kernel-lab-fp32": "kernel-lab, float32 weights"}
+             "kernel-lab-fp32": "kernel-lab, float32 weights", "kernel-lab-ref": "kernel-lab, reference checkout"}
 # The engine's other weight path is a baseline too: it shows which path `weights=auto` should pick here.
 ENGINE_VARIANTS = {"kernel-lab-fp32": ["--weights", "float32"]}
 
 
 # Backends run `--repeats` times per point (the others once): the comparison the targets are about.
-REPEATED = ("kernel-lab", "llama.cpp")
+REPEATED = ("kernel-lab", "llama.cpp", "kernel-lab-ref")
 
 
 BUNDLED_LABEL = "SmolLM2-135M-Instruct (bundled)"
@@ -78,7 +78,7 @@ def slug(label: str) -> str:
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
           threads: int, python: str = sys.executable, reuse: bool = False, extra_args: list[str] = (),
-          model: str | None = None) -> dict:
+          model: str | None = None, repo: Path = REPO) -> dict:
     if reuse:  # build the record from an earlier run's raw outputs
         result = json.loads(out.read_text())
         expected = {"backend": backend, "concurrency": concurrency, "num_prompts": num_prompts,
@@ -91,9 +91,9 @@ def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, outp
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",
            "--device", "cpu", "--threads", str(threads), "--output-json", str(out), *extra_args,
            *(["--model", str(model)] if model else [])]
-    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
+    env = {"TRITON_INTERPRET": "0", "PYTHONPATH": str(repo), "OMP_NUM_THREADS": str(threads),
            **vllm_cpu_env(f"0-{threads - 1}")}
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, **env})
+    subprocess.run(cmd, check=True, cwd=repo, env={**os.environ, **env})
     return json.loads(out.read_text())
 
 
@@ -122,6 +122,21 @@ def _spread(summary: dict) -> str:
     return f" (runs {min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
 
 
+def git_commit(checkout) -> str:
+    out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def record_title(args) -> str:
+    """The record's title, which names its file: one per model, and a before/after run apart from both."""
+    if args.reference_checkout:
+        return (f"CPU throughput before and after, on {args.model_label or model_label(args.model)}: this "
+                f"checkout vs {git_commit(args.reference_checkout)[:10]}")
+    if args.model is None:
+        return "CPU throughput vs transformers, vLLM CPU and llama.cpp"
+    return f"CPU throughput on {args.model_label or model_label(args.model)}"
+
+
 def fp32_weight_bytes(model: str | None = None) -> int:
     return 4 * ModelConfig.from_hf(load_config(resolve_model_dir(model, float_weights=False))).num_parameters
 
@@ -143,8 +158,7 @@ def build_record(runs: dict, args, copy_gbps: float | None = None, prompt_runs: 
     throughput point {threads: (ours, {backend: theirs})}."""
     names = [BASELINES[b] for b in args.backends]
     label = args.model_label or model_label(args.model)
-    title = ("CPU throughput vs transformers, vLLM CPU and llama.cpp" if args.model is None
-             else f"CPU throughput on {label}")
+    title = record_title(args)
     record = ResultRecord("09_engine", title, "cpu",
                           description=f"{label}; {args.input_len} prompt + {args.output_len} "
                                       "output tokens per request (the same random ids for every backend, greedy, "
@@ -156,7 +170,9 @@ def build_record(runs: dict, args, copy_gbps: float | None = None, prompt_runs: 
                                       "left-padded; vLLM: vllm-cpu LLM.generate, float32, eager, max_num_seqs = "
                                       "concurrency; llama.cpp: llama-cpp-python on the GGUF, continuous batching "
                                       "over `concurrency` sequences; `threads` intra-op threads / cores for each. "
-                                      f"Baselines asked for: {', '.join(names) or 'none'}")
+                                      f"Baselines asked for: {', '.join(names) or 'none'}"
+                                      + (f"; the reference checkout: {args.reference_checkout} at commit "
+                                         f"{git_commit(args.reference_checkout)}" if args.reference_checkout else ""))
     copy_gbps = record.ceilings["copy"]["GBps"] if copy_gbps is None else copy_gbps
     ratios = {}
     for (c, t), (ours, theirs) in runs.items():
@@ -232,13 +248,16 @@ def run_point(args, pythons: dict, raw: Path, c: int, t: int, input_len: int, ou
                 continue
             if b == "kernel-lab":
                 backend, python, extra = b, sys.executable, args.engine_args
+            elif b == "kernel-lab-ref":
+                backend, python, extra = "kernel-lab", sys.executable, args.engine_args
             elif b in ENGINE_VARIANTS:
                 backend, python, extra = "kernel-lab", sys.executable, [*args.engine_args, *ENGINE_VARIANTS[b]]
             else:
                 backend, python = b, pythons[b] if b == "vllm" else sys.executable
                 extra = ["--llama-cpp-python", pythons[b]] if b == "llama.cpp" else []
             done[b].append(bench(backend, c, n, input_len, output_len, raw / raw_name(b, c, t, r, prompt_len),
-                                 t, python, reuse=args.reuse_raw, extra_args=extra, model=args.model))
+                                 t, python, reuse=args.reuse_raw, extra_args=extra, model=args.model,
+                                 repo=Path(args.reference_checkout) if b == "kernel-lab-ref" else REPO))
     ours = median_run(done.pop("kernel-lab"))
     return ours, {b: median_run(v) for b, v in done.items()}
 
@@ -256,7 +275,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                         help="intra-op threads / cores of every backend, one run per value (default: 1 and all)")
-    parser.add_argument("--backends", nargs="*", default=list(BASELINES), choices=list(BASELINES),
+    listed = [b for b in BASELINES if b != "kernel-lab-ref"]  # that one comes with --reference-checkout
+    parser.add_argument("--backends", nargs="*", default=listed, choices=listed,
                         help="baselines to run beside kernel-lab (default: all whose Python is present)")
     parser.add_argument("--prompt-throughput", type=int, default=0, metavar="N",
                         help="also measure prompt throughput on N-token prompts (like llama-bench's ppN)")
@@ -269,17 +289,23 @@ def main(argv=None) -> int:
                         help="a Python with llama_cpp (.venv-llamacpp, `make llama-cpp-env`); skipped if absent")
     parser.add_argument("--repeats", type=int, default=3,
                         help=f"runs per point of {' and '.join(REPEATED)} (the others run once)")
+    parser.add_argument("--reference-checkout", default=None, metavar="DIR",
+                        help="another checkout of this repository (e.g. a git worktree of an earlier commit): its "
+                             "engine runs as the baseline 'kernel-lab, reference checkout', alternating with ours, "
+                             "for a before/after comparison in one session")
     parser.add_argument("--reuse-raw", action="store_true",
                         help="do not run: rebuild the record from the raw outputs of an earlier run")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
     args.engine_args = shlex.split(args.engine_args)
     raw = Path(args.out) / "09_engine" / "raw"
-    if args.model is not None:
-        raw = raw / slug(args.model_label or model_label(args.model))
+    if args.model is not None or args.reference_checkout:
+        raw = raw / slug(record_title(args) if args.reference_checkout else args.model_label or model_label(args.model))
     raw.mkdir(parents=True, exist_ok=True)
     pythons = {"transformers": sys.executable, "vllm": args.vllm_python, "llama.cpp": args.llama_cpp_python,
-               "kernel-lab-fp32": sys.executable}
+               "kernel-lab-fp32": sys.executable, "kernel-lab-ref": sys.executable}
+    if args.reference_checkout:
+        args.backends = [*args.backends, "kernel-lab-ref"]
     present = []
     for b in args.backends:
         if args.reuse_raw or Path(pythons[b]).exists():

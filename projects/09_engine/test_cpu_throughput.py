@@ -206,3 +206,36 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     assert prompt["metric"] == {"unit": "tok/s", "value": pytest.approx(3 * 512 / 4.0)}
     assert prompt["ratio"] == {"llama.cpp": pytest.approx(5.0 / 4.0)}
     assert "pp512 t2: 1.25x llama.cpp" in record["headline"]["text"]
+
+
+def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tmp_path, monkeypatch):
+    """--reference-checkout DIR: that checkout's engine (cwd and PYTHONPATH there) alternates with ours, and the
+    record and raw outputs are apart from the bundled model's (no committed record is overwritten)."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    commands = []
+    real_run = cpu_throughput.subprocess.run
+    monkeypatch.setattr(cpu_throughput, "git_commit", lambda checkout: "abc1234def5678")
+
+    def fake_run(cmd, **kwargs):
+        if "throughput" not in cmd:
+            return real_run(cmd, **kwargs)
+        commands.append((Path(kwargs["cwd"]), kwargs["env"]["PYTHONPATH"], Path(cmd[cmd.index("--output-json") + 1])))
+        n = int(cmd[cmd.index("--num-prompts") + 1])
+        speed = 20.0 if Path(kwargs["cwd"]) == ref else 30.0
+        commands[-1][2].write_text(json.dumps(summary("kernel-lab", 4, 2, n, speed)))
+
+    monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
+                         "--input-len", "16", "--output-len", "8", "--backends", "--repeats", "2",
+                         "--reference-checkout", str(ref)])
+    assert [(cwd == ref, path == ref) for cwd, path, _ in
+            [(c, Path(p), o) for c, p, o in commands]] == [(False, False), (True, True)] * 2
+    names = [out.name for _, _, out in commands]
+    assert names == ["kernel-lab-c4-t2.json", "kernel-lab-ref-c4-t2.json", "kernel-lab-c4-t2-r1.json",
+                     "kernel-lab-ref-c4-t2-r1.json"]
+    assert all(out.parent.name.startswith("cpu-throughput-before-and-after") for _, _, out in commands)
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-before-and-after-*.json")
+    (case,) = json.loads(path.read_text())["cases"]
+    assert case["ratio"] == {"kernel-lab, reference checkout": pytest.approx(1.5)}
+    assert "abc1234def5678" in json.loads(path.read_text())["description"]
