@@ -144,3 +144,12 @@ def test_files_of_the_core_packages_keep_to_one_job(package):
     long_files = {p.name: n for p in sorted((ROOT / "kernel_lab" / package).glob("*.py"))
                   if (n := len(p.read_text().splitlines())) > 600}
     assert not long_files, f"split these by job: {long_files}"
+
+
+def test_the_engine_core_stays_no_larger_than_before_the_one_path_refactor():
+    """nano-vllm's measure: the five files of the engine core (one step's path) held 824 lines when the
+    "one path for each fact" review was filed; structured outputs, prompt scoring and KV sizing live beside
+    the core (grammar.py, sampler.py, kv_sizing.py), so new features do not grow the step's path."""
+    core = ("sequence", "block_manager", "scheduler", "model_runner", "llm_engine")
+    lines = {name: len((ROOT / "kernel_lab" / "engine" / f"{name}.py").read_text().splitlines()) for name in core}
+    assert sum(lines.values()) <= 824, f"the engine core grew to {sum(lines.values())} lines: {lines}"

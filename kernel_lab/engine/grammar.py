@@ -26,7 +26,7 @@ import threading
 import types
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -218,6 +218,62 @@ class GrammarRequest:
             self._matchers[index] = SequenceMatcher(self.future.result())
         return self._matchers[index]
 
+
+class StructuredOutputManager:
+    """The engine's structured-output state: the compile service (built on first use from the engine's
+    tokenizer, so xgrammar loads only when a request needs it; thread-safe, as the server submits to it from
+    its event loop) and the requests waiting for their grammar, which hold no slot and no blocks yet."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._service: GrammarCompileService | None = None
+        self._lock = threading.Lock()
+        self.waiting: list = []             # Requests, in arrival order
+
+    @property
+    def service(self) -> GrammarCompileService | None:
+        """None for a tokenizer without token texts (a random-weight model's token ids only)."""
+        if not self._tokenizer.has_vocabulary:
+            return None
+        with self._lock:
+            if self._service is None:
+                self._service = GrammarCompileService.for_tokenizer(self._tokenizer, self._vocab_size)
+            return self._service
+
+    def add(self, request) -> None:
+        service = self.service
+        if service is None:
+            raise ValueError("structured outputs need a tokenizer with token texts; this model has token ids only")
+        request.grammar = GrammarRequest(service, request.params.structured_outputs)
+        self.waiting.append(request)
+
+    def remove(self, request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def num_waiting_seqs(self) -> int:
+        return sum(r.params.n for r in self.waiting)
+
+    def take_compiled(self) -> tuple[list, list]:
+        """(ready, failed): the waiting requests whose grammar compiled, each sequence given its matcher, and
+        those whose grammar failed, with `request.error` set. Both leave the waiting list."""
+        ready, failed, still = [], [], []
+        for request in self.waiting:
+            if not request.grammar.ready():
+                still.append(request)
+            elif (error := request.grammar.error()) is not None:
+                request.error = error
+                failed.append(request)
+            else:
+                for seq in request.seqs:
+                    seq.matcher = request.grammar.matcher(seq.index)
+                ready.append(request)
+        self.waiting = still
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until some waiting grammar is done or `timeout` passes (the engine has nothing else to do)."""
+        wait([r.grammar.future for r in self.waiting], timeout, FIRST_COMPLETED)
 
 def fill_step_bitmask(matchers: Sequence[SequenceMatcher | None],
                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

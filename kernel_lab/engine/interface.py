@@ -5,10 +5,13 @@ OutputProcessor and validates with the same SamplingParams."""
 
 from __future__ import annotations
 
-from typing import NotRequired, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import GrammarCompileService
 
 
 class EngineStats(TypedDict):
@@ -39,6 +42,7 @@ class ServedModel(Protocol):
 
 class EngineTokenizer(Protocol):
     eos_token_ids: set[int]
+    has_vocabulary: bool               # token texts exist (grammars can be compiled against them)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -64,3 +68,7 @@ class Engine(Protocol):
         """Run one scheduler step; an output for every request that produced tokens or finished."""
 
     def stats(self) -> EngineStats: ...
+
+    @property
+    def grammar_service(self) -> GrammarCompileService | None:
+        """Compiles structured-output specs (grammar.py); None where the engine has no grammar engine."""

@@ -12,13 +12,12 @@ single-threaded; the server drives it from one dedicated thread.
 from __future__ import annotations
 
 import itertools
-import threading
-from concurrent.futures import FIRST_COMPLETED, wait
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .grammar import GrammarCompileService, GrammarRequest
+from .grammar import GrammarCompileService, StructuredOutputManager
 from .interface import EngineStats
+from .logits_processors import bad_words_token_ids
 from .model_loader import load_model
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -39,9 +38,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, config.max_model_len, self.scheduler.finish)
         self.requests: dict[str, Request] = {}
-        self.awaiting_grammar: list[Request] = []   # waiting for their grammar: no slot, no blocks yet
-        self._grammar_service: GrammarCompileService | None = None
-        self._grammar_lock = threading.Lock()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
 
@@ -78,66 +75,38 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         params.check_vocab(self.config.vocab_size)
         request = Request(request_id, text, ids, params, next(self._arrivals))
-        request.controls = params.controls(self.tokenizer.eos_token_ids, self._bad_words_ids(params.bad_words))
+        request.controls = params.controls(self.tokenizer.eos_token_ids,
+                                           bad_words_token_ids(self.tokenizer, params.bad_words))
         if params.structured_outputs is not None:
-            request.grammar = GrammarRequest(self.grammar_service, params.structured_outputs)
+            self.structured_outputs.add(request)     # enters the scheduler once its grammar is compiled
         self.output_processor.add_request(request)
         self.requests[request_id] = request
-        if request.grammar is not None:
-            self.awaiting_grammar.append(request)
-        else:
+        if request.grammar is None:
             for seq in request.seqs:
                 self.scheduler.add(seq)
 
     @property
-    def grammar_service(self) -> GrammarCompileService:
-        """The compile service (built on first use from our tokenizer: xgrammar loads only when needed).
-        Thread-safe: the server asks it for a grammar's future before submitting, from its event loop."""
-        with self._grammar_lock:
-            if self._grammar_service is None:
-                self._grammar_service = GrammarCompileService.for_tokenizer(self.tokenizer, self.config.vocab_size)
-            return self._grammar_service
-
-    def _bad_words_ids(self, words: list[str]) -> list[tuple[int, ...]]:
-        """Each bad word as tokens, as written and after a space (mid-text), as vLLM tokenises them."""
-        out = set()
-        for word in words:
-            for text in {word, word if word.startswith(" ") else " " + word}:
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids:
-                    out.add(tuple(ids))
-        return sorted(out)
+    def grammar_service(self) -> GrammarCompileService | None:
+        return self.structured_outputs.service
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready enter the scheduler; one whose grammar failed ends at once (it
         holds no blocks) with its error in the output."""
-        failed, still = [], []
-        for request in self.awaiting_grammar:
-            if not request.grammar.ready():
-                still.append(request)
-                continue
-            error = request.grammar.error()
-            if error is not None:
-                request.error = error
-                for seq in request.seqs:
-                    seq.finish_reason = "abort"
-                    self.scheduler.finish(seq)
-                self.requests.pop(request.request_id, None)
-                failed.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [],
-                                            True, error=error))
-                continue
+        ready, failed = self.structured_outputs.take_compiled()
+        for seq in (seq for request in ready for seq in request.seqs):
+            self.scheduler.add(seq)
+        for request in failed:
             for seq in request.seqs:
-                seq.matcher = request.grammar.matcher(seq.index)
-                self.scheduler.add(seq)
-        self.awaiting_grammar = still
-        return failed
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+            self.requests.pop(request.request_id, None)
+        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [], True, error=r.error) for r in failed]
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request in self.awaiting_grammar:
-            self.awaiting_grammar.remove(request)
+        self.structured_outputs.remove(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -147,13 +116,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled() if self.awaiting_grammar else []
+        failed = self._admit_compiled() if self.structured_outputs.waiting else []
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any waiting sequence (KV pool too small?)")
-            if self.awaiting_grammar and not failed:
-                wait([r.grammar.future for r in self.awaiting_grammar], 0.05, FIRST_COMPLETED)  # nothing else to do
+            if self.structured_outputs.waiting and not failed:
+                self.structured_outputs.wait(0.05)   # nothing else to do
             return failed
         results = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
         self.scheduler.update_computed(batch)
@@ -176,7 +145,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + sum(r.params.n for r in self.awaiting_grammar),
+            num_waiting=len(self.scheduler.waiting) + self.structured_outputs.num_waiting_seqs(),
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,

@@ -126,6 +126,17 @@ def validate_bad_words_token_ids(words, vocab_size: int) -> tuple[tuple[int, ...
     return tuple(out)
 
 
+def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """`bad_words` strings as token sequences: each as written and after a space (mid-text), as vLLM
+    tokenises them."""
+    out = set()
+    for word in words:
+        for text in {word, word if word.startswith(" ") else " " + word}:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids:
+                out.add(tuple(ids))
+    return sorted(out)
+
 # ------------------------------------------------------------------------------------------- per-row controls
 @dataclass(frozen=True)
 class SamplingControls:

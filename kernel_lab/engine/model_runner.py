@@ -1,13 +1,11 @@
 """Runs one scheduled step on the device: builds the flat batch (token ids, positions, slot_mapping, block
 tables), runs the model (eagerly, or by replaying a CUDA graph for decode-only steps), and samples
-(sampler.py). It sizes and owns the paged KV cache: the default pool is what the memory budget holds after
-the model's largest step, which only the runner can run. The design: projects/09_engine/README.md, "Paged
-KV cache", "The step on the device" and "CUDA".
+(sampler.py). It owns the paged KV cache, sized by kv_sizing.py unless the user gave num_kv_blocks. The
+design: projects/09_engine/README.md, "Paged KV cache", "The step on the device" and "CUDA".
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -15,20 +13,17 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.layers.linear import QuantizedLinear
-from kernel_lab.ops import topk
 from kernel_lab.ops.cpu_kernels import load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
 
 from .config import EngineConfig
-from .outputs import Logprob
-from .sampler import Sampler, SampleResult
+from .kv_sizing import default_num_kv_blocks
+from .sampler import Sampler, SampleResult, score_prompts
 from .sequence import Sequence
 
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-GRAPH_MEMORY_RESERVE_BYTES = 512 << 20
 
 
 @dataclass
@@ -60,7 +55,7 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self._copies_done = None
         if config.num_kv_blocks is None:
-            config.num_kv_blocks = self._default_num_kv_blocks()
+            config.num_kv_blocks = default_num_kv_blocks(config, model)
         self.num_blocks = config.num_kv_blocks
         self._allocate_kv_cache(config.kv_cache_dtype)
         # On CPU every token, prompt tokens too, attends through the paged decode kernel, one query at a time
@@ -83,42 +78,6 @@ class ModelRunner:
             self._capture_graphs()
 
     # ------------------------------------------------------------------------------------------- memory
-    def _default_num_kv_blocks(self) -> int:
-        """What every running sequence can use at full length, within the memory budget."""
-        config, per_seq = self.config, self.config.blocks_per_seq
-        per_block, useful = config.kv_bytes_per_block(), config.max_num_seqs * per_seq + 1
-        if self.device.type == "cpu":
-            budget = int(float(os.environ.get("KERNEL_LAB_CPU_KV_CACHE_GB", 0)) * (1 << 30)) \
-                or DEFAULT_CPU_KV_CACHE_BYTES
-            return max(per_seq, min(useful, budget // per_block))
-        activation_peak = self._profile_activations()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_peak \
-            - GRAPH_MEMORY_RESERVE_BYTES
-        if budget < per_block * per_seq:
-            raise ValueError(f"not enough GPU memory for the KV cache of one {config.max_model_len}-token sequence "
-                             f"(budget {budget / 2**30:.2f} GiB); raise gpu_memory_utilization or lower max_model_len")
-        return min(useful, budget // per_block)
-
-    @torch.inference_mode()
-    def _profile_activations(self) -> int:
-        """Peak extra memory of the largest eager step: one prefill chunk of max_num_batched_tokens."""
-        config, c, num_tokens = self.config, self.config.model_config, self.config.max_num_batched_tokens
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        dummy = torch.empty((1, self.block_size, c.num_kv_heads, c.head_dim), dtype=config.dtype, device=self.device)
-        caches = [LayerKVCache(dummy, dummy)] * c.num_layers
-        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)  # write nothing
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, num_tokens, 0)])
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % config.max_model_len
-        self.model.compute_logits(self.model(ids, positions, caches, meta)[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        return peak
-
     def _allocate_kv_cache(self, cache_dtype: torch.dtype) -> None:
         c = self.config.model_config
         shape = (c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
@@ -239,27 +198,8 @@ class ModelRunner:
         hidden = self.model(self._to_device("ids", step.input_ids, torch.int64),
                             self._to_device("positions", step.positions, torch.int64), self.layer_caches, meta)
         if step.prompt_chunks:
-            self._score_prompts(step.prompt_chunks, hidden)
+            score_prompts(self.model.compute_logits, step.prompt_chunks, hidden)
         return self.model.compute_logits(hidden[self._to_device("rows", step.sample_rows, torch.int64)])
-
-    def _score_prompts(self, chunks, hidden: torch.Tensor) -> None:
-        """Prompt logprobs: lm_head over the rows of the chunks that asked (only those), and each row's
-        logprob of the prompt's next token, with its rank and the top candidates, into the request."""
-        for seq, row0, n, start in chunks:
-            end = min(start + n, seq.num_prompt_tokens - 1)   # the last prompt row predicts no prompt token
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0:row0 + end - start]).float(), dim=-1)
-            targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None])
-            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-            k = seq.params.prompt_logprobs
-            tops = [[] for _ in ranks]
-            if k:
-                values, ids = topk(logprobs, k)
-                tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-            for i, (lp, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks, strict=True)):
-                entry = {t: Logprob(v, r) for r, (t, v) in enumerate(tops[i], start=1)}
-                entry.setdefault(int(targets[i]), Logprob(lp, rank))
-                seq.request.prompt_logprobs[start + 1 + i] = entry
 
     def _check_step_inputs(self, meta: AttentionMetadata) -> None:
         """Slot and block-table values, checked once per step so the layers' kernels skip it. Host-side

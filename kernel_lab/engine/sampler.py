@@ -17,6 +17,7 @@ from kernel_lab import ops
 
 from .grammar import fill_step_bitmask
 from .logits_processors import apply_logits_processors, apply_min_p, build_logits_state
+from .outputs import Logprob
 from .sequence import Sequence
 
 
@@ -112,3 +113,25 @@ def _with_logprobs(logits, tokens, seqs, want) -> list[SampleResult]:
             r.top_logprobs = list(zip(top_ids_l[i][:want[i]], top_vals_l[i][:want[i]], strict=True)) if k else []
         results.append(r)
     return results
+
+
+def score_prompts(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                  chunks: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor) -> None:
+    """Prompt logprobs (SamplingParams.prompt_logprobs): lm_head over the rows of the chunks that asked
+    (only those), and each row's logprob of the prompt's next token, with its rank and the top candidates,
+    into the request. A chunk is (sequence, first row in `hidden`, rows, first position)."""
+    for seq, row0, n, start in chunks:
+        end = min(start + n, seq.num_prompt_tokens - 1)   # the last prompt row predicts no prompt token
+        logprobs = torch.log_softmax(compute_logits(hidden[row0:row0 + end - start]).float(), dim=-1)
+        targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+        k = seq.params.prompt_logprobs
+        tops = [[] for _ in ranks]
+        if k:
+            values, ids = ops.topk(logprobs, k)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        for i, (lp, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks, strict=True)):
+            entry = {t: Logprob(v, r) for r, (t, v) in enumerate(tops[i], start=1)}
+            entry.setdefault(int(targets[i]), Logprob(lp, rank))
+            seq.request.prompt_logprobs[start + 1 + i] = entry

@@ -212,6 +212,8 @@ class Tokenizer:
     """The engine's tokenizer: a `tokenizers.Tokenizer` plus the special-token and chat-template facts of
     tokenizer_config.json and the EOS ids of generation_config.json."""
 
+    has_vocabulary = True
+
     def __init__(self, backend, config: dict | None = None, generation_config: dict | None = None,
                  model_config: dict | None = None):
         self.backend = backend
@@ -327,6 +329,7 @@ class TokenIdsOnly:
 
     chat_template_source = None
     all_special_ids: set[int] = set()
+    has_vocabulary = False      # no token texts: no grammar can be compiled against it
 
     def __init__(self, hf_config: dict):
         eos = hf_config.get("eos_token_id")

@@ -141,14 +141,15 @@ class OpenAIServing:
     async def check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar before it is queued (off the event loop and the engine thread, in
         the engine's compile service, whose cache the engine then hits): a grammar that fails is a 400 and
-        the engine never sees the request. Engines without a compile service skip this."""
+        the engine never sees the request. An engine without a compile service refuses structured outputs."""
         spec = params.structured_outputs
         if spec is None:
             return
-        if not hasattr(self.engine, "grammar_service"):
-            raise bad_request("this engine has no grammar engine for structured outputs", spec.param)
         loop = asyncio.get_running_loop()
-        future = await loop.run_in_executor(None, lambda: self.engine.grammar_service.submit(spec))
+        service = await loop.run_in_executor(None, lambda: self.engine.grammar_service)  # built on first use
+        if service is None:
+            raise bad_request("this engine has no grammar engine for structured outputs", spec.param)
+        future = service.submit(spec)
         try:
             await asyncio.wrap_future(future)
         except GrammarCompileError as exc:

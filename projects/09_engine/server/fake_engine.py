@@ -35,6 +35,7 @@ SENTENCE = "the quick brown fox jumps over the lazy dog. "
 
 class FakeTokenizer:
     eos_token_ids = {EOS}
+    has_vocabulary = True
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -129,6 +130,7 @@ class FakeEngine:
         self.prefix_hits = 0
         self.steps = 0
         self.num_generated_tokens = 0
+        self.grammar_service = None    # no grammar engine: structured outputs are refused with a 400
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
