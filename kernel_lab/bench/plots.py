@@ -19,22 +19,23 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .serve import RECORD_TYPE
+from .serve import serve_block
 
 
 def load_serve_records(paths: list[str]) -> list[dict]:
+    """The `serve` blocks of the bench serve records among `paths` (files or directories), each with its
+    record's file in `_path`."""
     records = []
     for pattern in paths:
         path = Path(pattern)
         files = sorted(path.rglob("*.json")) if path.is_dir() else [path]
         for file in files:
             try:
-                record = json.loads(file.read_text())
+                serve = serve_block(json.loads(file.read_text()))
             except (OSError, json.JSONDecodeError):
                 continue
-            if isinstance(record, dict) and record.get("record_type") == RECORD_TYPE:
-                record["_path"] = str(file)
-                records.append(record)
+            if serve is not None:
+                records.append({**serve, "_path": str(file)})
     return records
 
 
@@ -48,7 +49,7 @@ def workload_key(record: dict) -> str:
 
 def _select(records: list[dict], workload: str | None) -> tuple[list[dict], str]:
     if not records:
-        raise ValueError("no serve_benchmark records found")
+        raise ValueError("no bench serve records found")
     key = workload or workload_key(records[0])
     chosen = [r for r in records if workload_key(r) == key and r.get("max_concurrency")]
     devices = {r["device"] for r in chosen}

@@ -21,8 +21,11 @@ between text chunks), TPOT ((E2EL - TTFT) / (output tokens - 1)), E2EL (send to 
 Token counts come from the server's usage (stream_options.include_usage). Aggregates: request
 throughput, output and total token throughput, and mean / median / p90 / p99 of each latency.
 
-The JSON record (`record_type: serve_benchmark`) holds the workload, the summary, the environment and
-the per-request lengths and latencies; `python -m kernel_lab.bench.plots` draws figures from records.
+Each run is one result record of kernel_lab/harness/results.py, like every other benchmark's (schema_version,
+environment, a case per metric with its median / p20 / p80 / min and method: TTFT, TPOT, ITL, E2EL and output
+tok/s), plus a `serve` block: the workload, the server, vLLM's summary (mean / median / p90 / p99, throughputs)
+and every request's lengths and latencies, from which the rest is computed. `make results` renders the records
+into RESULTS.md; `python -m kernel_lab.bench.plots` draws figures from them.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -40,12 +42,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernel_lab.harness.bench import quantile
+from kernel_lab.harness.bench import summarize as timing_of
+from kernel_lab.harness.results import ResultRecord, slug
 
-from .workload import add_workload_arguments, draw_length
+from .workload import add_workload_arguments, draw_length, load_tokenizer
 
-RECORD_TYPE = "serve_benchmark"
-RECORD_VERSION = 1
+PROJECT = "09_engine"
 PERCENTILES = (50, 90, 99)
+# (summary key, case name, what the client's clock measures)
+LATENCIES = (
+    ("ttft_ms", "TTFT", "send to the first non-empty text chunk"),
+    ("tpot_ms", "TPOT", "per request, (E2EL - TTFT) / (output tokens - 1)"),
+    ("itl_ms", "ITL", "gaps between text chunks"),
+    ("e2el_ms", "E2EL", "send to the end of the stream"),
+)
 
 
 # ====================================================================== workload
@@ -54,22 +64,6 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
-
-
-def load_tokenizer(spec: str | None):
-    """The engine's Tokenizer for a tokenizer.json, a directory holding one, or (None) the bundled default
-    model's."""
-    from tokenizers import Tokenizer as Backend
-
-    from kernel_lab.models.gguf import export_hf_directory
-    from kernel_lab.models.tokenizer import Tokenizer
-
-    if spec:
-        path = Path(spec)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        return Tokenizer(Backend.from_file(str(path)))
-    return Tokenizer.from_directory(export_hf_directory())
 
 
 def _prompt_of_length(tokenizer, rng: random.Random, length: int, candidates: list[int]) -> tuple[str, int]:
@@ -306,8 +300,7 @@ def _percentile(values: list[float], q: float) -> float:
     return quantile(sorted(values), q / 100.0) if values else 0.0
 
 
-def _stats_ms(values_s: list[float]) -> dict:
-    ms = [v * 1e3 for v in values_s]
+def _stats_ms(ms: list[float]) -> dict:
     out = {
         "mean": statistics.fmean(ms) if ms else 0.0,
         "median": statistics.median(ms) if ms else 0.0,
@@ -319,29 +312,113 @@ def _stats_ms(values_s: list[float]) -> dict:
     return out
 
 
-def summarize(results: list[RequestResult], duration_s: float) -> dict:
-    ok = [r for r in results if r.success]
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    tpots = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
+def request_rows(results: list[RequestResult]) -> list[dict]:
+    """The per-request data a record keeps (milliseconds), from which its summary and cases are computed."""
+    rows = []
+    for r in results:
+        row = {"prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ttft_ms": r.ttft_s * 1e3,
+               "e2el_ms": r.e2el_s * 1e3, "itl_ms": [gap * 1e3 for gap in r.itl_s], "success": r.success}
+        if r.error:
+            row["error"] = r.error
+        rows.append(row)
+    return rows
+
+
+def latency_samples(rows: list[dict]) -> dict[str, list[float]]:
+    """Each latency's samples (ms) over the successful requests; ITL only where the rows carry their gaps."""
+    ok = [r for r in rows if r["success"]]
+    samples = {
+        "ttft_ms": [r["ttft_ms"] for r in ok],
+        "tpot_ms": [(r["e2el_ms"] - r["ttft_ms"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
+        "e2el_ms": [r["e2el_ms"] for r in ok],
+    }
+    if all("itl_ms" in r for r in ok):
+        samples["itl_ms"] = [gap for r in ok for gap in r["itl_ms"]]
+    return samples
+
+
+def summarize_rows(rows: list[dict], duration_s: float) -> dict:
+    """vLLM's summary of a run: counts, throughputs, and mean / median / std / p50 / p90 / p99 per latency."""
+    ok = [r for r in rows if r["success"]]
+    input_tokens = sum(r["prompt_len"] for r in ok)
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    summary = {
         "duration_s": duration_s,
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": len(rows) - len(ok),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s if duration_s else 0.0,
         "output_throughput": output_tokens / duration_s if duration_s else 0.0,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s else 0.0,
-        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
-        "tpot_ms": _stats_ms(tpots),
-        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
-        "e2el_ms": _stats_ms([r.e2el_s for r in ok]),
-        "errors": sorted({r.error for r in results if not r.success})[:10],
+        "errors": sorted({r.get("error", "") for r in rows if not r["success"]})[:10],
     }
+    summary.update({key: _stats_ms(values) for key, values in latency_samples(rows).items()})
+    return summary
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict:
+    return summarize_rows(request_rows(results), duration_s)
+
+
+def record_title(serve: dict) -> str:
+    d = serve["dataset"]
+    structured = d.get("structured_output", "none")
+    return (f"bench serve, {serve['server_label']}: {d['name']} {d['input_len']} in / {d['output_len']} out"
+            f"{'' if structured == 'none' else ', ' + structured}, {serve['endpoint']}, concurrency "
+            f"{serve['max_concurrency'] or 'unlimited'}, rate {serve['request_rate']}")
+
+
+def build_record(serve: dict, rows: list[dict], duration_s: float, env: dict, itl_ms: dict | None = None):
+    """One run as a harness ResultRecord: a case per latency (its samples' median / p20 / p80 / min, the
+    metric its median in ms) and one for output tok/s (the run's wall clock), no ceiling (none applies to
+    serving latency), and the `serve` block: `serve` (workload, server, host load) with the summary and
+    the rows. `itl_ms`: the ITL summary of rows that carry no gaps (records converted from bench serve's
+    own format, which kept only that summary)."""
+    metrics = summarize_rows(rows, duration_s)
+    if itl_ms is not None:
+        metrics["itl_ms"] = itl_ms
+    d = serve["dataset"]
+    record = ResultRecord(PROJECT, record_title(serve), "cpu", env=env, ceilings_record={},
+                          description=f"kernel-lab bench serve against {serve['server_label']} ({serve['model']}) "
+                                      f"at {serve['base_url']}, {serve['device']}; latencies from the client's "
+                                      "clock, token counts from the server's usage" +
+                                      (f"; {serve['label']}" if serve.get("label") else ""))
+    shape = {"dataset": d["name"], "num_prompts": d["num_prompts"], "input_len": d["input_len"],
+             "output_len": d["output_len"], "range_ratio": d["range_ratio"],
+             "structured_output": d.get("structured_output", "none"), "endpoint": serve["endpoint"],
+             "max_concurrency": serve["max_concurrency"], "request_rate": serve["request_rate"]}
+    completed, samples = metrics["completed"], latency_samples(rows)
+    for key, name, what in LATENCIES:
+        values = samples.get(key)
+        if values:
+            timing = timing_of(values, {"kind": f"{name}: {what}", "clock": "client, time.perf_counter",
+                                        "requests": completed})
+            stats = metrics[key]
+            record.add_case(name, shape=shape, dtype="as served", timing=timing,
+                            extra={"metric": {"unit": "ms", "value": timing.median_ms},
+                                   "summary_ms": {k: stats[k] for k in ("mean", "p90", "p99")}})
+    run = timing_of([duration_s * 1e3], {"kind": "the run's wall clock, first send to last response",
+                                         "requests": len(rows)})
+    record.add_case("output tok/s", shape=shape, dtype="as served", timing=run,
+                    extra={"metric": {"unit": "tok/s", "value": metrics["output_throughput"]},
+                           "request_throughput": metrics["request_throughput"]})
+    record.set_headline(f"{metrics['output_throughput']:.1f} output tok/s, median TTFT "
+                        f"{metrics['ttft_ms']['median']:.0f} ms, median TPOT {metrics['tpot_ms']['median']:.1f} ms, "
+                        f"{metrics['failed']} failed", output_tok_s=metrics["output_throughput"])
+    record.record["serve"] = {**serve, "metrics": metrics, "requests": rows}
+    return record
+
+
+def serve_block(record: dict) -> dict | None:
+    """The `serve` block of a bench serve record (None for any other JSON)."""
+    if isinstance(record, dict) and "schema_version" in record and isinstance(record.get("serve"), dict):
+        return record["serve"]
+    return None
 
 
 def format_summary(record: dict) -> str:
+    """vLLM's printed summary of a record's `serve` block."""
     m = record["metrics"]
     lines = [
         f"============ Serving Benchmark Result ({record['server_label']}, {record['device']}) ============",
@@ -384,7 +461,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer.json or a directory holding one (default: the bundled model's)",
+        help="tokenizer.json, a directory holding one, or a model (a GGUF file or a Hugging Face directory); "
+             "default: the bundled model's",
     )
     add_workload_arguments(parser, num_prompts=64, input_len=128, output_len=32)
     parser.add_argument(
@@ -432,10 +510,6 @@ def _discover_model(base_url: str, api_key: str | None) -> dict:
     return rsp.json()["data"][0]
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
 def benchmark_once(
     args,
     requests: list[BenchRequest],
@@ -444,7 +518,8 @@ def benchmark_once(
     concurrency: int | None,
     env: dict,
     device: str,
-) -> dict:
+):
+    """One run at one concurrency: its ResultRecord (build_record)."""
     load_before = os.getloadavg()[0]
     results, duration = asyncio.run(
         run_benchmark(
@@ -464,10 +539,7 @@ def benchmark_once(
         )
     )
     rate = args.request_rate
-    return {
-        "record_type": RECORD_TYPE,
-        "record_version": RECORD_VERSION,
-        "date": env.get("date"),
+    serve = {
         "label": args.label,
         "server_label": server_label,
         "device": device,
@@ -487,21 +559,18 @@ def benchmark_once(
         "request_rate": "inf" if rate == float("inf") else rate,
         "burstiness": args.burstiness,
         "max_concurrency": concurrency,
-        "metrics": summarize(results, duration),
-        "requests": [
-            {
-                "prompt_len": r.prompt_len,
-                "output_tokens": r.output_tokens,
-                "ttft_ms": r.ttft_s * 1e3,
-                "e2el_ms": r.e2el_s * 1e3,
-                "success": r.success,
-            }
-            for r in results
-        ],
-        "env": env,
         # other work on the machine skews every latency: say how busy it was
         "host_load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
     }
+    return build_record(serve, request_rows(results), duration, env)
+
+
+def record_file_name(serve: dict) -> str:
+    d = serve["dataset"]
+    structured = d.get("structured_output", "none")
+    return (f"{slug(serve['server_label'])}-{d['name']}-in{d['input_len']}-out{d['output_len']}-"
+            f"{'' if structured == 'none' else structured + '-'}"
+            f"c{serve['max_concurrency'] or 'inf'}-r{serve['request_rate']}.json")
 
 
 def run_bench_serve(args) -> int:
@@ -555,19 +624,12 @@ def run_bench_serve(args) -> int:
     status = 0
     for concurrency in levels:
         record = benchmark_once(args, requests, model, server_label, concurrency, env, device)
-        print(format_summary(record))
-        if record["metrics"]["failed"]:
+        serve = record.record["serve"]
+        print(format_summary(serve))
+        if serve["metrics"]["failed"]:
             status = 1
         if args.result_dir:
-            out = Path(args.result_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            name = (
-                f"{_slug(server_label)}-{args.dataset_name}-in{args.input_len}-out{args.output_len}-"
-                f"{'' if args.structured_output == 'none' else args.structured_output + '-'}"
-                f"c{concurrency or 'inf'}-r{record['request_rate']}.json"
-            )
-            (out / name).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-            print(f"wrote {out / name}")
+            print(f"wrote {record.write_to(Path(args.result_dir) / record_file_name(serve))}")
     return status
 
 
@@ -581,4 +643,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["BenchRequest", "RequestResult", "build_workload", "run_benchmark", "summarize"]
+__all__ = ["BenchRequest", "RequestResult", "build_record", "build_workload", "run_benchmark", "serve_block",
+           "summarize"]

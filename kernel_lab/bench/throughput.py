@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
 
-from .workload import add_workload_arguments, draw_length
+from .workload import add_workload_arguments, draw_length, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LLAMA_CPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
@@ -232,12 +232,11 @@ def decode_step_summary(seconds: list[float]) -> dict:
 
 def run_bench_throughput(args) -> int:
     from kernel_lab.models.loader import load_config, resolve_model_dir
-    from kernel_lab.models.tokenizer import Tokenizer
 
     # The workload needs only the tokenizer and config: a GGUF's float32 export (4 bytes a parameter) is made
     # only by the baselines that read it (transformers, vLLM).
     model_dir = resolve_model_dir(args.model, float_weights=False)
-    tokenizer = Tokenizer.from_directory(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     vocab = int(load_config(model_dir)["vocab_size"])
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, args.dataset_name,
                              args.range_ratio, vocab, tokenizer.all_special_ids, args.seed)

@@ -96,7 +96,8 @@ def validate(record: dict) -> bool:
     return True
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """Lower-case letters and digits, every other run of characters one '-': a record's file name."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
@@ -104,12 +105,16 @@ class ResultRecord:
     """Collects benchmark cases, derives GB/s or TFLOP/s and % of the measured ceiling, prints a table,
     and writes one validated JSON record."""
 
-    def __init__(self, project: str, benchmark: str, device, description: str = ""):
+    def __init__(self, project: str, benchmark: str, device, description: str = "", *, env: dict | None = None,
+                 ceilings_record: dict | None = None):
+        """`env` and `ceilings_record` default to this machine's, measured now; a record rebuilt from an
+        earlier run's raw data passes that run's environment, and one whose metrics have no roofline (serving
+        latencies) passes `ceilings_record={}` rather than measure the machine."""
         import torch
 
         self.device = torch.device(device)
-        self.env = environment_record()
-        self.ceilings = ceilings(self.device)
+        self.env = environment_record() if env is None else env
+        self.ceilings = ceilings(self.device) if ceilings_record is None else ceilings_record
         self.record = {
             "schema_version": SCHEMA_VERSION,
             "project": project,
@@ -202,8 +207,13 @@ class ResultRecord:
         if out_dir is None:
             return None
         out_dir = Path(out_dir) / self.record["project"]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{_slug(self.record['benchmark'])}-{_slug(device_label(self.env))}.json"
+        return self.write_to(out_dir / f"{slug(self.record['benchmark'])}-{slug(device_label(self.env))}.json")
+
+    def write_to(self, path: str | Path) -> Path:
+        """Validate and write the record to exactly `path` (for a benchmark that names its own files)."""
+        validate(self.record)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.record, indent=1, sort_keys=True) + "\n")
         return path
 
@@ -213,7 +223,7 @@ def load_records(results_dir: Path) -> list[tuple[Path, dict]]:
     for path in sorted(results_dir.rglob("*.json")):
         record = json.loads(path.read_text())
         if not isinstance(record, dict) or "schema_version" not in record:
-            continue  # non-benchmark JSON (e.g. a serving benchmark's raw dump) lives beside records
+            continue  # non-benchmark JSON (e.g. a raw per-run dump) lives beside records
         try:
             validate(record)
         except InvalidRecord as exc:

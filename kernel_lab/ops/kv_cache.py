@@ -71,6 +71,22 @@ def kv_cache_bytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return data + (2 * num_blocks * num_kv_heads * 4 if dtype == FP8_DTYPE else 0)
 
 
+def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         cache_dtype: torch.dtype, pages: int = 0) -> int:
+    """DRAM bytes one `write_kv` call must move at least: `tokens` rows written (slot >= 0) of key and
+    value in `dtype` into a `cache_dtype` cache, landing on `pages` distinct pages (fp8 only).
+
+    Each row of key and of value is read once and stored once (2 * tokens * num_kv_heads * head_dim
+    elements each way) and its int64 slot read; an fp8 write also reads the K and V scale of every
+    (page, KV head) it lands on (2 * pages * num_kv_heads float32) to quantise with. That is a write whose
+    scales already cover its data (a decode step's append in the steady state). Not counted, as it depends
+    on the data: a page whose scale grows is rewritten once (its block_size * head_dim bytes per KV head
+    read and written, its new scale stored), and a slot of -1 costs its 8 slot bytes only."""
+    rows = 2 * tokens * num_kv_heads * head_dim
+    scales = 2 * pages * num_kv_heads * 4 if cache_dtype == FP8_DTYPE else 0
+    return rows * (dtype.itemsize + cache_dtype.itemsize) + 8 * tokens + scales
+
+
 # --------------------------------------------------------------------------------------------- fp8 helpers
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= amax / 448 (float32, at least MIN_FP8_SCALE); 0 where amax is 0.

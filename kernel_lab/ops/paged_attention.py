@@ -34,9 +34,9 @@ an fp8 cache), or any without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, r
 in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
 fp32 q is refused on CUDA.
 
-The kernel (CTA per KV head group and split, flash-decoding split plan from shapes only) and its traffic
-model: projects/04_paged_decode/README.md. `kernel_model` below is the same algorithm in PyTorch, used to
-test the kernel's maths without a GPU.
+The kernel (CTA per KV head group and split, flash-decoding split plan from shapes only):
+projects/04_paged_decode/README.md; the bytes a call must move: `bytes_moved`. `kernel_model` below is the
+same algorithm in PyTorch, used to test the kernel's maths without a GPU.
 """
 
 from __future__ import annotations
@@ -154,6 +154,34 @@ def kernel_tile(heads_per_group: int) -> tuple[int, int]:
     and how many tokens each lane group loads before it does any math."""
     tile = 1 << max(0, heads_per_group - 1).bit_length()
     return tile, (4 if tile <= 2 else 2)
+
+
+def bytes_moved(seq_lens, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+                sliding_window: int | None = None) -> int:
+    """DRAM bytes one call must move at least, from its arguments: `seq_lens` the context lengths (one
+    int per sequence), q/out in `dtype`, the cache in `cache_dtype` (default `dtype`; fp8 adds its scales).
+
+    Per sequence of length L attending T = L tokens (min(L, W) under a window W) on its P pages (the
+    table entries from the window's first page to the last, i.e. ceil(L / block_size) without a window):
+    every attended K and V row once (2 * T * num_kv_heads * head_dim cache bytes: a CTA loads a row once
+    for all the query heads of its group), the P table entries (int32), and for fp8 the K and V scales of
+    those pages (2 * P * num_kv_heads float32). Once per call: q read and out written (batch * num_q_heads
+    * head_dim elements each) and seq_lens (int32). Not counted, as they are not needed: a page shared by
+    several sequences is counted once per sequence (these are lengths, not table contents); a group of
+    more than HEADS_PER_GROUP query heads loads its rows once per head group (L2 serves the repeats); a
+    split plan's float32 partials, written by the splits and read back by the merge kernel. GB/s are
+    quoted against this count."""
+    cache_dtype = cache_dtype or dtype
+    row_bytes = num_kv_heads * head_dim * cache_dtype.itemsize
+    page_bytes = 4 + (2 * num_kv_heads * 4 if cache_dtype == FP8_DTYPE else 0)
+    lens = [int(n) for n in seq_lens]
+    total = 2 * len(lens) * num_q_heads * head_dim * dtype.itemsize + 4 * len(lens)
+    for length in lens:
+        first = max(0, length - sliding_window) if sliding_window else 0
+        pages = -(-length // block_size) - first // block_size if length else 0
+        total += 2 * (length - first) * row_bytes + pages * page_bytes
+    return total
 
 
 # --------------------------------------------------------------------------------------------- CPU model

@@ -395,6 +395,21 @@ def sample_plan(vocab: int) -> dict:
             "group": max(2, MERGE_BLOCK // slot)}
 
 
+def topk_bytes_moved(batch: int, vocab: int, k: int, element_size: int) -> int:
+    """DRAM bytes one `topk` call must move at least: each logit read once, and the k values (logits'
+    dtype) and int64 indices of each row written. The tile candidates (8 bytes each, a few per tile) are
+    scratch the merge reads back from L2; not counted."""
+    return batch * (vocab * element_size + k * (element_size + 8))
+
+
+def sample_bytes_moved(batch: int, vocab: int, element_size: int) -> int:
+    """DRAM bytes one `sample` call must move at least: each logit read once, a row's float32 temperature
+    and top_p, int32 top_k and int64 seed (the dtypes the kernels take), and its int64 token written.
+    Not counted: the per-tile scratch, and the extra pass over its row that a top-p row without top-k makes
+    per rejected proposal (data-dependent)."""
+    return batch * (vocab * element_size + 4 + 4 + 4 + 8 + 8)
+
+
 def _merge_until_one(cand, count, n_slots, slot, group, rows, k=0, k_per_row=None, exact_last=False):
     while n_slots > 1:
         n_out = triton.cdiv(n_slots, group)
@@ -559,4 +574,4 @@ def compile_specs():
 
 
 __all__ = ["topk", "sample", "topk_reference", "sample_reference", "rank_keys", "order_keys", "topk_plan",
-           "sample_plan", "MAX_VOCAB", "MAX_K"]
+           "sample_plan", "topk_bytes_moved", "sample_bytes_moved", "MAX_VOCAB", "MAX_K"]

@@ -29,6 +29,15 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def bytes_moved(masked_rows: int, vocab: int, element_size: int, row_index_size: int = 0) -> int:
+    """DRAM bytes one `apply_token_bitmask` call moves: each mask row read once (4 bytes a word), its row
+    number when `rows` is given (`row_index_size` bytes: 8 for int64), and one pass of writes over each
+    masked logits row. The kernel never reads the logits and stores only the disallowed elements, but a
+    partly written 32-byte sector costs a whole sector of DRAM traffic, so with any mixed mask the write
+    pass is the whole row (an all-allowed row is written not at all, which this does not model)."""
+    return masked_rows * (bitmask_words(vocab) * 4 + row_index_size + vocab * element_size)
+
+
 def allocate_token_bitmask(rows: int, vocab_size: int, device="cpu") -> torch.Tensor:
     """A [rows, ceil(vocab_size / 32)] int32 bitmask with every token allowed (all bits set, i.e. -1)."""
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, device=device)

@@ -3,8 +3,8 @@ FlashInfer's batch decode when it is importable.
 
     python projects/04_paged_decode/benchmark.py [--quick] [--out results]
 
-Bytes per call: every sequence's K and V rows (seq_len x num_kv_heads x head_dim x 2 x element size), plus
-q, the output and the block table. The K/V term dominates, so GB/s against the measured copy bandwidth is
+Bytes per call: kernel_lab.ops.paged_attention.bytes_moved (every attended K and V row once, q, the output,
+the used table entries and seq_lens). The K/V term dominates, so GB/s against the measured copy bandwidth is
 the figure of merit; GQA reads num_q_heads / num_kv_heads times fewer bytes for the same work.
 Pages are a random permutation of the pool, so no two consecutive blocks are adjacent in memory.
 """
@@ -23,8 +23,8 @@ from kernel_lab.harness.bench import benchmark_main, inputs_for_rotation  # noqa
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.harness.testing import error_report  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, paged_decode_attention  # noqa: E402
-from kernel_lab.ops.kv_cache import FP8_DTYPE  # noqa: E402
-from kernel_lab.ops.paged_attention import paged_decode_attention_reference  # noqa: E402
+from kernel_lab.ops.kv_cache import FP8_DTYPE, kv_cache_bytes  # noqa: E402
+from kernel_lab.ops.paged_attention import bytes_moved, paged_decode_attention_reference  # noqa: E402
 
 PROJECT = "04_paged_decode"
 HEAD_DIM, BLOCK_SIZE = 128, 16
@@ -39,8 +39,13 @@ def benchmark(fn, **kwargs):
 
 
 def kv_bytes(batch: int, context: int, num_kv_heads: int, cache_dtype: torch.dtype) -> int:
-    element = 1 if cache_dtype == FP8_DTYPE else torch.finfo(cache_dtype).bits // 8
-    return 2 * batch * context * num_kv_heads * HEAD_DIM * element
+    """The pool `build_case` allocates (every sequence's pages, K and V): what must fit the device."""
+    return kv_cache_bytes(batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, num_kv_heads, HEAD_DIM, cache_dtype)
+
+
+def call_bytes(batch, context, num_q_heads, num_kv_heads, dtype, cache_dtype=None) -> int:
+    """bytes_moved of one call on a `build_case` case (every sequence `context` long)."""
+    return bytes_moved([context] * batch, num_q_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, dtype, cache_dtype)
 
 
 def build_case(batch, context, num_q_heads, num_kv_heads, dtype, device, cache_dtype=None, seed=0):
@@ -105,7 +110,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
     on_gpu = device.type == "cuda"
     record = ResultRecord(PROJECT, "paged decode bandwidth", device,
                           f"{str(dtype).replace('torch.', '')} q/cache, head_dim {HEAD_DIM}, block_size "
-                          f"{BLOCK_SIZE}, 32 query heads; GB/s = K/V + q + out + block-table bytes per call")
+                          f"{BLOCK_SIZE}, 32 query heads; GB/s = paged_attention.bytes_moved (K/V + q + out + "
+                          "table + seq_lens bytes) per call")
     headline_cases = []
     for layout, (num_q_heads, num_kv_heads) in LAYOUTS.items():
         if not on_gpu:
@@ -146,7 +152,7 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                 fi = flashinfer_decode(q, k, v, tables, seq_lens, num_q_heads, num_kv_heads)
                 if fi is not None:
                     baselines["FlashInfer"] = benchmark(fi, device=device, name=f"flashinfer {label}")
-            nbytes = cache_bytes + 2 * q.numel() * q.element_size() + tables.numel() * 4
+            nbytes = call_bytes(batch, context, num_q_heads, num_kv_heads, dtype)
             case = record.add_case(label, shape={"layout": layout, "batch": batch, "context": context,
                                                  "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads,
                                                  "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},

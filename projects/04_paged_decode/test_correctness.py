@@ -391,6 +391,58 @@ def test_window_of_the_context_or_more_is_full_attention(c_kernel, window):
     assert_close(reference, full, torch.float32)
 
 
+# --------------------------------------------------------------------------------------------- bytes moved
+def touched_bytes(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window):
+    """An independent count of what a call must touch: the nbytes of each slice it reads or writes (q,
+    the output, seq_lens, each attended page's K/V rows, its table entry and fp8 scales); and the same
+    caches, table and scales with everything outside those slices poisoned."""
+    block_size = k_cache.shape[1]
+    total = 2 * q.nbytes + seq_lens.nbytes
+    keep_k, keep_v = poison(k_cache.clone()), poison(v_cache.clone())
+    keep_scales = [None if s is None else poison(s.clone()) for s in (k_scale, v_scale)]
+    keep_table = torch.full_like(block_tables, 2**31 - 1)  # outside any pool: read, it fails validation
+    for b, length in enumerate(seq_lens.tolist()):
+        first = max(0, length - window) if window else 0
+        for j in range(first // block_size, -(-length // block_size)):
+            page, lo, hi = int(block_tables[b, j]), max(first - j * block_size, 0), min(length - j * block_size,
+                                                                                     block_size)
+            total += k_cache[page, lo:hi].nbytes + v_cache[page, lo:hi].nbytes + block_tables[b, j:j + 1].nbytes
+            keep_k[page, lo:hi], keep_v[page, lo:hi] = k_cache[page, lo:hi], v_cache[page, lo:hi]
+            keep_table[b, j] = block_tables[b, j]
+            for keep, scale in zip(keep_scales, (k_scale, v_scale)):
+                if scale is not None:
+                    total += scale[page].nbytes
+                    keep[page] = scale[page]
+    return total, (keep_k, keep_v, keep_table, *keep_scales)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, window", [
+    (torch.float32, torch.float32, None), (torch.float16, torch.float16, 19), (torch.bfloat16, torch.float8_e4m3fn, None),
+    (torch.float16, torch.float8_e4m3fn, 5),
+])
+def test_bytes_moved_is_what_a_call_touches(dtype, cache_dtype, window):
+    lengths, block_size, hq, hkv, head_dim = [0, 1, 16, 17, 50, 96], 16, 6, 2, 64
+    q, kc, vc, bt, sl, ks, vs = make_case(case_seed("bytes", dtype, cache_dtype, window), batch=len(lengths),
+                                          num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size,
+                                          lengths=lengths, dtype=dtype, cache_dtype=cache_dtype, shared=False)
+    expected, (kk, vk, bk, ksk, vsk) = touched_bytes(q, kc, vc, bt, sl, ks, vs, window)
+    assert paged_attention.bytes_moved(lengths, hq, hkv, head_dim, block_size, dtype, cache_dtype,
+                                       window) == expected
+    # The count is what the op needs: with everything else poisoned it gives the same output, bit for bit.
+    clean = paged_decode_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs, sliding_window=window)
+    kept = paged_decode_attention(q, kk, vk, bk, sl, k_scale=ksk, v_scale=vsk, sliding_window=window)
+    assert torch.equal(kept, clean) and bool(torch.isfinite(kept).all())
+
+
+def test_bytes_moved_of_the_benchmark_shape():
+    # batch 4 x 2048 tokens, GQA 32:4, head_dim 128, bf16: K/V rows + q and out + 128 table entries each + lens
+    kv = 2 * 4 * 2048 * 4 * 128 * 2
+    assert paged_attention.bytes_moved([2048] * 4, 32, 4, 128, 16, torch.bfloat16) == (
+        kv + 2 * 4 * 32 * 128 * 2 + 4 * 128 * 4 + 4 * 4)
+    fp8 = paged_attention.bytes_moved([2048] * 4, 32, 4, 128, 16, torch.bfloat16, torch.float8_e4m3fn)
+    assert fp8 == kv // 2 + 2 * 4 * 32 * 128 * 2 + 4 * 128 * (4 + 2 * 4 * 4) + 4 * 4
+
+
 def test_an_unknown_variant_is_refused_by_name():
     q, kc, vc, bt, sl, _, _ = make_case(4, batch=1, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
                                         lengths=[9], dtype=torch.float32)

@@ -166,6 +166,33 @@ def test_write_kv_non_fp8_stores_exactly(dtype):
     assert int(torch.isnan(kc.float()).any(dim=-1).sum()) == 3 * 16 * 2 - 4 * 2
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float16, torch.float16), (torch.float32, torch.float32),
+                                                 (torch.bfloat16, FP8_DTYPE), (torch.float32, FP8_DTYPE)])
+def test_write_kv_bytes_moved_is_what_a_write_touches(dtype, cache_dtype):
+    """Against an independent count (nbytes of the inputs and of each stored row and page scale), on a
+    steady-state write (the scales already cover the data), checking that nothing else changes."""
+    from kernel_lab.ops.kv_cache import write_kv_bytes_moved
+
+    heads, head_dim, block_size = 3, 96, 8
+    kc, vc, ks, vs = allocate_kv_cache(5, block_size, heads, head_dim, cache_dtype, "cpu")
+    slots = torch.tensor([9, 10, 33, 0, 17])  # pages 1, 1, 4, 0, 2: four pages
+    key, value = randn((5, heads, head_dim), dtype, "cpu", 1), randn((5, heads, head_dim), dtype, "cpu", 2)
+    write_kv(key * 2, value * 2, kc, vc, slots, ks, vs)  # sets every scale this write needs
+    before = [t.clone() for t in (kc, vc) + ((ks, vs) if ks is not None else ())]
+    write_kv(key, value, kc, vc, slots, ks, vs)
+    blocks, offsets = slots // block_size, slots % block_size
+    pages = blocks.unique()
+    expected = key.nbytes + value.nbytes + slots.nbytes + kc[blocks, offsets].nbytes + vc[blocks, offsets].nbytes
+    if ks is not None:
+        expected += ks[pages].nbytes + vs[pages].nbytes
+        assert torch.equal(ks, before[2]) and torch.equal(vs, before[3]), "a steady-state write grew a scale"
+    assert write_kv_bytes_moved(5, heads, head_dim, dtype, cache_dtype, len(pages)) == expected
+    untouched = torch.ones(kc.shape[:2], dtype=torch.bool)
+    untouched[blocks, offsets] = False
+    for cache, old in zip((kc, vc), before):
+        assert torch.equal(cache[untouched].view(torch.uint8), old[untouched].view(torch.uint8))
+
+
 @pytest.mark.parametrize("call, error, pattern", [
     (lambda c: write_kv(c["key"], c["value"].half(), c["k"], c["v"], c["slots"]), TypeError, "value must have dtype"),
     (lambda c: write_kv(c["key"].half(), c["value"].half(), c["k"], c["v"], c["slots"]), TypeError,

@@ -4,15 +4,15 @@ apply_token_bitmask_inplace (its Triton kernel on the GPU) when importable, else
 
     python projects/06_topk_sampling/benchmark.py [--quick] [--out results]
 
-Bytes counted per call: the logits read once (batch * vocab * b). "% ceil" compares that read rate with
-the copy bandwidth measured on the same device (which counts read + write), so a single streaming pass
-can approach 100%. Every case is timed as CUDA-graph replays (20 calls per graph, inputs rotated so they
+Bytes counted per call: kernel_lab.ops.sampling.sample_bytes_moved / topk_bytes_moved (the logits read once,
+batch * vocab * b, plus each row's parameters and outputs). "% ceil" compares that rate with the copy
+bandwidth measured on the same device (which counts read + write), so a single streaming pass can approach
+100%. Every case is timed as CUDA-graph replays (20 calls per graph, inputs rotated so they
 do not stay in L2): a decode step runs sampling inside its graph, so CPU launch cost is not part of it.
 
-Token bitmask bytes per call: the mask read (rows * ceil(vocab / 32) * 4) plus one pass over the masked
-rows' logits (rows * vocab * b). Our kernel never reads the logits and writes only the disallowed half
-(random bits, density 0.5), but a partly written 32-byte sector still costs a full sector of DRAM traffic,
-so one full pass is the honest count (xgrammar's Triton kernel moves the same bytes: masked -inf stores).
+Token bitmask bytes per call: kernel_lab.ops.token_bitmask.bytes_moved (the mask read, the int64 row numbers,
+and one pass of writes over the masked rows' logits: a partly written 32-byte sector still costs a full
+sector of DRAM traffic; xgrammar's Triton kernel moves the same bytes: masked -inf stores).
 Half the batch's rows carry a mask (the `rows` index), as in a batch mixing structured and plain requests.
 
 Logits are bf16, randn * 2 (a softened LLM-like spread; with top_p = 0.9 alone the nucleus holds thousands
@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernel_lab.harness.bench import benchmark, benchmark_main, inputs_for_rotation  # noqa: E402
 from kernel_lab.harness.results import ResultRecord  # noqa: E402
 from kernel_lab.ops import apply_token_bitmask, sample, topk  # noqa: E402
+from kernel_lab.ops.sampling import sample_bytes_moved, topk_bytes_moved  # noqa: E402
 from kernel_lab.ops.token_bitmask import apply_token_bitmask_reference, bitmask_words  # noqa: E402
+from kernel_lab.ops.token_bitmask import bytes_moved as bitmask_bytes_moved  # noqa: E402
 
 PROJECT = "06_topk_sampling"
 VOCABS = {"32K": 32000, "128K": 131072, "152K": 151936, "256K": 262144}
@@ -96,7 +98,8 @@ def bitmask_record(device: torch.device, vocabs, batches) -> ResultRecord:
     baseline, run_baseline = _bitmask_baseline(device)
     record = ResultRecord(PROJECT, "token_bitmask", device,
                           "apply_token_bitmask(): bf16 logits, half the rows masked (random bits, density 0.5); "
-                          "bytes = mask read + one pass over the masked rows' logits; baseline " + baseline)
+                          "bytes = token_bitmask.bytes_moved (mask + row numbers read, one pass over the masked "
+                          "rows' logits); baseline " + baseline)
     gen = torch.Generator(device="cpu").manual_seed(1)
     for vname, vocab in vocabs:
         for batch in batches:
@@ -107,7 +110,7 @@ def bitmask_record(device: torch.device, vocabs, batches) -> ResultRecord:
             full = torch.full((batch, mask.shape[1]), -1, dtype=torch.int32)
             full[rows_list] = mask
             mask, full = mask.to(device), full.to(device)
-            nbytes = n * (mask.shape[1] * 4 + vocab * 2)
+            nbytes = bitmask_bytes_moved(n, vocab, torch.bfloat16.itemsize, rows.element_size())
             sets = inputs_for_rotation(nbytes) if device.type == "cuda" else 1
             xs = [(torch.randn(batch, vocab, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(sets)]
             label = f"batch={batch} masked={n} vocab={vname}"
@@ -144,17 +147,18 @@ def sweep(device: torch.device, quick: bool):
 def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16) -> list[ResultRecord]:
     vocabs, batches, configs, topk_cases = sweep(device, quick)
     flashinfer = _flashinfer() if device.type == "cuda" else None
-    b = torch.finfo(dtype).bits // 8
+    b = dtype.itemsize
     sampling = ResultRecord(PROJECT, "sampling", device,
-                            "sample(): bf16 logits randn*2, temperature 0.8; bytes = logits read once; "
+                            "sample(): bf16 logits randn*2, temperature 0.8; bytes = sampling.sample_bytes_moved "
+                            "(logits read once, per-row parameters and token); "
                             "timed as CUDA-graph replays; baselines torch.topk/sort + softmax + multinomial "
                             "and FlashInfer (when installed)")
-    top = ResultRecord(PROJECT, "topk", device, "topk() vs torch.topk, bf16 logits randn*2; bytes = logits read")
+    top = ResultRecord(PROJECT, "topk", device, "topk() vs torch.topk, bf16 logits randn*2; bytes = "
+                       "sampling.topk_bytes_moved (logits read, values and indices written)")
     gen = torch.Generator(device="cpu").manual_seed(0)
     for vname, vocab in vocabs:
         for batch in batches:
-            nbytes = batch * vocab * b
-            sets = inputs_for_rotation(nbytes) if device.type == "cuda" else 1
+            sets = inputs_for_rotation(sample_bytes_moved(batch, vocab, b)) if device.type == "cuda" else 1
             xs = [(torch.randn(batch, vocab, generator=gen) * 2).to(device, dtype) for _ in range(sets)]
             for cname in configs:
                 temp, k, p = CONFIGS[cname]
@@ -174,7 +178,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                     except Exception as exc:  # noqa: BLE001 - version-dependent API
                         print(f"flashinfer skipped for {label}: {exc}")
                 sampling.add_case(f"sample {label}", shape={"batch": batch, "vocab": vocab, "config": cname},
-                                  dtype="bf16", timing=t_ours, nbytes=nbytes, baselines=baselines)
+                                  dtype="bf16", timing=t_ours, nbytes=sample_bytes_moved(batch, vocab, b),
+                                  baselines=baselines)
             for tb, tk in topk_cases:
                 if tb != batch:
                     continue
@@ -182,7 +187,8 @@ def run(device: torch.device, quick: bool, out: str | None, dtype=torch.bfloat16
                 t_ours = timed([lambda x=x: topk(x, tk) for x in xs], device, f"kernel_lab.topk {label}")
                 t_torch = timed([lambda x=x: torch.topk(x, tk) for x in xs], device, f"torch.topk {label}")
                 top.add_case(f"topk {label}", shape={"batch": batch, "vocab": vocab, "k": tk}, dtype="bf16",
-                             timing=t_ours, nbytes=nbytes, baselines={"torch.topk": t_torch})
+                             timing=t_ours, nbytes=topk_bytes_moved(batch, vocab, tk, b),
+                             baselines={"torch.topk": t_torch})
             del xs
     target = [c for c in sampling.record["cases"]
               if c["shape"]["batch"] == 128 and c["shape"]["vocab"] == VOCABS["128K"]]

@@ -123,6 +123,21 @@ def test_topk_is_exact_with_ties_and_neg_inf(rows, vocab, k, dtype, device):
     check_topk(logits_with_ties((rows, vocab), dtype, device, case_seed("topk", rows, vocab, k, dtype)), k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bytes_moved_is_the_logits_read_and_the_outputs_written(dtype, device):
+    """Against the nbytes of the tensors a call reads and returns (the per-row parameters in the dtypes
+    the kernels take), so a count that drops or doubles a stream fails."""
+    rows, vocab, k = 3, 700, 9
+    x = randn((rows, vocab), dtype, device, case_seed("bytes", dtype))
+    values, indices = topk(x, k)
+    assert sampling_mod.topk_bytes_moved(rows, vocab, k, x.element_size()) == x.nbytes + values.nbytes + indices.nbytes
+    params = [torch.full((rows,), 0.7, device=device), torch.full((rows,), 5, dtype=torch.int32, device=device),
+              torch.full((rows,), 0.9, device=device), torch.arange(rows, device=device)]
+    token = sample(x, *params)
+    assert sampling_mod.sample_bytes_moved(rows, vocab, x.element_size()) == (
+        x.nbytes + sum(p.nbytes for p in params) + token.nbytes)
+
+
 def test_topk_several_tiles_reach_the_merge(device):
     plan = topk_plan(4096 + 904, 37)
     assert plan["n_tiles"] >= 2, "this case must merge the candidates of several tiles"

@@ -125,6 +125,18 @@ def test_an_all_ones_mask_changes_nothing_and_all_zeros_masks_everything(path):
     assert torch.equal(x[0], before[0]) and bool((x[1] == float("-inf")).all())
 
 
+@pytest.mark.parametrize("rows", [None, [4, 0, 2]])
+def test_bytes_moved_is_the_mask_and_one_pass_over_its_rows(rows):
+    """Against the nbytes of the mask, the row numbers and each masked logits row (the write pass)."""
+    vocab, dtype = 1000 + 7, torch.bfloat16
+    x = randn((5, vocab), dtype, "cpu", 6)
+    idx = None if rows is None else torch.tensor(rows)
+    targets = range(5) if rows is None else rows
+    mask = random_bitmask(len(targets), vocab, 7)
+    expected = mask.nbytes + (0 if idx is None else idx.nbytes) + sum(x[r].nbytes for r in targets)
+    assert tb.bytes_moved(len(targets), vocab, x.element_size(), 0 if idx is None else idx.element_size()) == expected
+
+
 def test_no_mask_rows_is_a_no_op(path):
     x = randn((3, 64), torch.bfloat16, path, 4)
     before = x.clone()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -123,7 +124,8 @@ def test_cli_writes_records_and_plots_draw_them(fake_server, tmp_path, monkeypat
     monkeypatch.setattr(
         env_module,
         "environment_record",
-        lambda: {"date": "2026-01-01T00:00:00+00:00", "gpu": None, "cpu": "test-cpu", "cpu_count": 2},
+        lambda: {"date": "2026-01-01T00:00:00+00:00", "gpu": None, "cpu": "test-cpu", "cpu_count": 2,
+                 "torch": "test", "python": "3"},
     )
     from kernel_lab.cli import main
 
@@ -155,14 +157,56 @@ def test_cli_writes_records_and_plots_draw_them(fake_server, tmp_path, monkeypat
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 2
     record = json.loads(files[0].read_text())
-    assert record["record_type"] == "serve_benchmark" and "schema_version" not in record
-    assert record["metrics"]["completed"] == 8 and record["metrics"]["total_output_tokens"] == 48
-    assert record["device"].startswith("CPU")
+    assert_harness_record(record)
+    serve = record["serve"]
+    assert serve["metrics"]["completed"] == 8 and serve["metrics"]["total_output_tokens"] == 48
+    assert serve["device"].startswith("CPU") and serve["max_concurrency"] == 1
+    assert [c["name"] for c in record["cases"]] == ["TTFT", "TPOT", "ITL", "E2EL", "output tok/s"]
+    assert 0 < record["cases"][2]["timing"]["samples"] <= 8 * 5  # 6 tokens a request: at most 5 chunk gaps
     records = plots.load_serve_records([str(tmp_path)])
     written = plots.plot(records, tmp_path / "figs")
     assert [p.name for p in written] == ["throughput_vs_concurrency.png", "latency_percentiles.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
     assert "| fake | 4 |" in plots.table(records)
+
+
+def assert_harness_record(record: dict) -> None:
+    """A record of kernel_lab/harness/results.py (its schema, when jsonschema is installed) whose cases and
+    summary are what its own per-request rows give."""
+    from kernel_lab.harness.bench import summarize as timing_of
+    from kernel_lab.harness.results import SCHEMA_VERSION, validate
+
+    assert record["schema_version"] == SCHEMA_VERSION and record["project"] == "09_engine"
+    assert "record_type" not in record and {"date", "torch", "gpu", "python"} <= set(record["env"])
+    pytest.importorskip("jsonschema")
+    assert validate(record)
+    serve, cases = record["serve"], {c["name"]: c for c in record["cases"]}
+    rows = serve["requests"]
+    samples = bench_serve.latency_samples(rows)
+    recomputed = bench_serve.summarize_rows(rows, serve["metrics"]["duration_s"])
+    for key, name, _ in bench_serve.LATENCIES:
+        if key not in samples:  # a converted record: no per-gap data, ITL kept as the run summarised it
+            assert name not in cases and serve["metrics"][key]["count"] > 0
+            continue
+        timing = timing_of(samples[key], {}).to_dict()
+        assert {k: cases[name]["timing"][k] for k in ("median_ms", "p20_ms", "p80_ms", "min_ms", "samples")} == {
+            k: timing[k] for k in ("median_ms", "p20_ms", "p80_ms", "min_ms", "samples")}
+        assert cases[name]["metric"] == {"unit": "ms", "value": timing["median_ms"]}
+        assert serve["metrics"][key] == pytest.approx(recomputed[key], rel=1e-12)
+    throughput = cases["output tok/s"]
+    assert throughput["timing"]["median_ms"] == pytest.approx(serve["metrics"]["duration_s"] * 1e3)
+    assert throughput["metric"]["value"] == pytest.approx(recomputed["output_throughput"], rel=1e-12)
+    for key in ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput"):
+        assert serve["metrics"][key] == pytest.approx(recomputed[key], rel=1e-12), key
+
+
+COMMITTED = sorted((Path(__file__).resolve().parents[3] / "results" / "09_engine").glob("serve*/*.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_committed_serve_records_are_harness_records_computed_from_their_rows(path):
+    assert_harness_record(json.loads(path.read_text()))
 
 
 def test_json_schema_workload_sends_one_schema_through_either_endpoint():
