@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
+from kernel_lab.models.registry import ARCHITECTURES
 
 NEW_TOKENS = 8
 WINDOW = 24
@@ -183,6 +184,45 @@ def test_family_matches_transformers_on_cuda(family, graphs, checkpoints, tmp_pa
             f"prompt {i}: token {flip} differs where float32's top-2 margin is {margins[i][flip]:.3f}: {our_tokens} " \
             f"vs {their_tokens}"
     torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=0, atol=HALF_TOLERANCE)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_serve_model_dir_serves_each_family(architecture, checkpoints, monkeypatch):
+    """`kernel-lab serve --model DIR` on each registered family's tiny checkpoint: the app its flags build
+    (launch.build_server, run_serve's), started in-process, completes a prompt with the greedy tokens, text and
+    log-probabilities of an engine built from the same flags."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    import httpx
+
+    from kernel_lab.cli import build_parser
+    from kernel_lab.engine import LLM
+    from kernel_lab.engine.arg_utils import engine_kwargs
+    from kernel_lab.models.registry import model_class
+    from kernel_lab.server.background import BackgroundServer
+    from kernel_lab.server.launch import build_server
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    family = model_class(architecture).family_test.split("[", 1)[1].rstrip("]")
+    argv = ["serve", "--model", str(checkpoints(family)), "--device", "cpu", "--dtype", "float32", "--weights",
+            "float32", "--max-model-len", "128", "--max-num-seqs", "2", "--num-kv-blocks", "16"]
+    args = build_parser(argv).parse_args(argv)
+    engine = LLMEngine(**engine_kwargs(args))
+    new_tokens, prompt = 4, PROMPTS[1]
+    expected = LLM.from_engine(engine).generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens,
+                                                                       ignore_eos=True, logprobs=1))[0].outputs[0]
+    app, async_engine = build_server(args)
+    with BackgroundServer(app) as server:
+        assert async_engine.ready_event.wait(60) and async_engine.state == "ready", async_engine.error
+        response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    token_texts = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in expected.token_ids]
+    assert choice["logprobs"]["tokens"] == token_texts and choice["text"] == expected.text
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        [entry[t].logprob for entry, t in zip(expected.logprobs, expected.token_ids, strict=True)], abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ windowed attention
