@@ -8,6 +8,11 @@ prompts than max_num_seqs), chunked prefill (a 24-token budget) and a prefix-cac
 (prompt chunks through the SDPA prefill path, decode rows through ops.paged_decode_attention). Greedy tokens
 must equal transformers' and the first token's log-probability must match. Mistral's window (24) is shorter
 than every prompt, so it binds on both paths.
+
+Also here: each family's CUDA twin of that test (float16, GPU-marked; HALF_TOLERANCE says why float16), the
+attention layer's sliding window on decode rows and prefill chunks against float64 (CPU, and GPU-marked CUDA
+cases), `kernel-lab serve --model DIR` on each family's checkpoint, GGUF exports, Mixtral's MoE layer, and
+the refusals of what is not implemented.
 """
 
 from __future__ import annotations
