@@ -127,9 +127,6 @@ class EngineConfig:
 
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
-        if config.sliding_window and self.max_model_len > config.sliding_window and self.device.type == "cuda":
-            raise ValueError(f"sliding-window attention is not implemented in the CUDA paged decode kernel yet: use "
-                             f"max_model_len <= {config.sliding_window} (the model's sliding_window) or the CPU")
         self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < self.blocks_per_seq):

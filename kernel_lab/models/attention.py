@@ -7,7 +7,9 @@ paged cache first (`write_kv`, at `slot_mapping`); then
 - decode tokens run `paged_decode_attention` (project 04's kernel on CUDA, the C kernel on CPU), reading
   each sequence's whole context through its block table;
 - each prefill chunk runs causal `scaled_dot_product_attention` over [cached prefix from the pages, then
-  the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised when it is fp8).
+  the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised when it is fp8); under a
+  sliding window W only its last W - 1 positions, the oldest any of the chunk's queries sees, and the mask
+  is transformers' (key kv visible to query q iff q - W < kv <= q). CUDA and CPU alike, any head_dim.
 
 On CPU the model runner marks every token as a decode token (one query per row, its context length its
 position + 1), so prompt tokens too go through the decode kernel and no row depends on the rest of the step
@@ -70,7 +72,7 @@ class LayerKVCache:
 
 
 def _causal_prefill(q, k, v, num_cached: int, scale: float, window: int | None = None) -> torch.Tensor:
-    """q [n, Hq, D] at positions num_cached.., k/v [num_cached + n, Hkv, D] -> [n, Hq, D]; with a `window`
+    """q [n, Hq, D] after `num_cached` keys, k/v [num_cached + n, Hkv, D] -> [n, Hq, D]; with a `window`
     each query sees its last `window` positions only (itself included), as the decode kernels do."""
     n, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
@@ -106,10 +108,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
                                    validate=False, sliding_window=window)
     for chunk in meta.prefills:
         q_c, k_c, v_c = q[chunk.start:chunk.end], k[chunk.start:chunk.end], v[chunk.start:chunk.end]
-        if chunk.num_cached:
-            k_prefix, v_prefix = cache.gather(chunk.prefix_slots, q.dtype)
+        # the chunk's first query (at num_cached) sees back to num_cached - window + 1: older pages stay unread
+        visible = min(chunk.num_cached, window - 1) if window else chunk.num_cached
+        if visible:
+            k_prefix, v_prefix = cache.gather(chunk.prefix_slots[chunk.num_cached - visible:], q.dtype)
             k_c, v_c = torch.cat([k_prefix, k_c]), torch.cat([v_prefix, v_c])
-        out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, chunk.num_cached, scale, window)
+        # the mask depends on positions relative to the chunk only: the dropped prefix shifts both sides
+        out[chunk.start:chunk.end] = _causal_prefill(q_c, k_c, v_c, visible, scale, window)
     return out
 
 

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
 
         self.embed = Embedding(take("model.embed_tokens.weight"))
         self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
-        # a window at least the longest sequence never binds: left out, so CUDA (no window yet) runs it
+        # a window at least the longest sequence never binds: left out, so no kernel does the window's arithmetic
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_positions else None
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):

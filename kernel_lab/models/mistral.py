@@ -8,5 +8,5 @@ from .llama import LlamaForCausalLM
 
 class MistralForCausalLM(LlamaForCausalLM):
     family_name = "Mistral"
-    family_notes = "sliding-window attention on every layer (CPU; CUDA refused until its kernel has it)"
+    family_notes = "sliding-window attention on every layer (decode kernels and prefill mask, CPU and CUDA)"
     family_test = "test_families.py::test_family_matches_transformers[mistral_window]"

@@ -3,10 +3,10 @@
 Contract (shared with the engine)
 ---------------------------------
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, block_size in {8, 16, 32, 64},
-  head_dim in {64, 128, 256} on CUDA (the CUDA kernels' instantiations), any head_dim on the CPU (e.g. Phi-3's
-  96: the C kernel and the references are generic in it). The inner three dimensions are dense (strides
-  `(H*D, D, 1)`); the block stride may be larger (e.g. views of one `[num_blocks, 2, block_size, H, D]`
-  allocation). Dtype fp16, bf16, fp32, or `torch.float8_e4m3fn`.
+  head_dim in SUPPORTED_HEAD_DIMS {64, 96, 128, 256} on CUDA (the CUDA kernels' instantiations; 96 is
+  Phi-3's), any head_dim on the CPU (the C kernel and the references are generic in it). The inner three
+  dimensions are dense (strides `(H*D, D, 1)`); the block stride may be larger (e.g. views of one
+  `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16, fp32, or `torch.float8_e4m3fn`.
 - FP8 caches carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`, contiguous, one scale per page
   and KV head. A stored element means `float(fp8) * scale`. A fresh cache has every scale at 0.0: the page
   holds no data yet.

@@ -60,23 +60,13 @@ def read_chat_template(spec: str | None) -> str | None:
     return path.read_text() if path.is_file() else spec
 
 
-def run_serve(args) -> int:
-    import uvicorn
-
+def build_server(args):
+    """(ASGI app, its AsyncEngine) for parsed `serve` flags; the engine loads when the app starts. run_serve
+    runs the app under uvicorn; tests start the same app in-process (server.background)."""
     from .app import build_app
     from .async_engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kernel_lab.server")
-    if not _is_loopback(args.host):
-        log.warning(
-            "binding to %s: the server is reachable from other machines%s",
-            args.host,
-            "" if args.api_key else " and has no --api-key",
-        )
-    if args.max_waiting < 1:
-        print("--max-waiting must be at least 1", file=sys.stderr)
-        return 2
     kwargs = engine_kwargs(args)
     chat_template = read_chat_template(args.chat_template)
 
@@ -91,6 +81,24 @@ def run_serve(args) -> int:
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
     app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model)
+    return app, async_engine
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kernel_lab.server")
+    if not _is_loopback(args.host):
+        log.warning(
+            "binding to %s: the server is reachable from other machines%s",
+            args.host,
+            "" if args.api_key else " and has no --api-key",
+        )
+    if args.max_waiting < 1:
+        print("--max-waiting must be at least 1", file=sys.stderr)
+        return 2
+    app, async_engine = build_server(args)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     )
