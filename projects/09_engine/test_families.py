@@ -13,6 +13,7 @@ than every prompt, so it binds on both paths.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 def tiny_checkpoint(family: str, directory, tokenizer_dir) -> None:
     """A random `family` checkpoint in `directory` with the bundled tokenizer's files."""
     transformers = pytest.importorskip("transformers")
-    class_name, settings = FAMILIES[family]
+    class_name, settings = {**FAMILIES, **GGUF_ONLY_FAMILIES}[family]
     config = getattr(transformers, class_name)(**{**COMMON, **settings})
-    torch.manual_seed(sorted(FAMILIES).index(family))
+    torch.manual_seed(sorted(FAMILIES).index(family) if family in FAMILIES else len(FAMILIES) + sorted(
+        GGUF_ONLY_FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(directory))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -172,6 +174,49 @@ def test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export(tmp_
         assert entry.logprob == pytest.approx(float(logprobs[token]), abs=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0"])
+def test_gguf_expert_tensors_read_as_each_experts_matrix(fmt, tmp_path):
+    """A `llama` GGUF with experts (as llama.cpp writes Mixtral): each stacked [experts, rows, columns] tensor
+    reads back as every expert's matrix under Mixtral's names, in a block format too, and its experts stay out
+    of the quantized path (ops.moe takes float experts)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from kernel_lab.harness.testing import case_seed
+    from kernel_lab.models.gguf import gguf_weights, load_gguf
+
+    experts, hidden, inter = 3, 64, 96
+    qtype = gguf.GGMLQuantizationType[fmt]
+    generator = np.random.default_rng(case_seed("gguf-experts", fmt))
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
+    for key, value in [("block_count", 1), ("embedding_length", hidden), ("feed_forward_length", inter),
+                       ("attention.head_count", 4), ("expert_count", experts), ("expert_used_count", 2)]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.vocab_size", 32)
+    stacked = {}
+    for name, shape in [("ffn_gate_exps", (experts, inter, hidden)), ("ffn_up_exps", (experts, inter, hidden)),
+                        ("ffn_down_exps", (experts, hidden, inter))]:
+        values = generator.standard_normal(shape, dtype=np.float32)
+        data = values if fmt == "F32" else quantize(values, qtype)
+        writer.add_tensor(f"blk.0.{name}.weight", data, raw_dtype=None if fmt == "F32" else qtype)
+        stacked[name] = values if fmt == "F32" else dequantize(data, qtype).reshape(shape)
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", generator.standard_normal((experts, hidden), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, state_dict, _ = load_gguf(tmp_path / "moe.gguf")
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (experts, 2)
+    assert len(state_dict) == 3 * experts + 1
+    prefix = "model.layers.0.block_sparse_moe."
+    for name, w in [("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")]:
+        for j in range(experts):
+            assert torch.equal(state_dict[f"{prefix}experts.{j}.{w}.weight"], torch.from_numpy(stacked[name][j]))
+    assert gguf_weights(tmp_path / "moe.gguf", quantized=True) == {}
+
+
 # ------------------------------------------------------------------------------------------------ MoE layer
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_mixture_of_experts_layer_matches_float64(interpret, monkeypatch):
@@ -256,10 +301,75 @@ def test_readme_family_table_is_the_registry_and_each_row_has_a_test():
             arch == "LlamaForCausalLM", f"{arch} must have its own test"
 
 
+# Checkpoints only the GGUF tests use: a plain Llama (the llama3 family's head_dim 16 leaves one frequency
+# between llama3's cut-offs, too few to recover its rope_parameters from the converter's rope_freqs;
+# test_llama3_gguf_with_rope_freqs_loads_as_transformers_reads_its_export covers that tensor at head_dim 64).
+GGUF_ONLY_FAMILIES = {"llama": ("LlamaConfig", {})}
+LLAMA_CPP_CONVERTER = Path(__file__).resolve().parents[2] / ".llama-cpp-converter" / "convert_hf_to_gguf.py"
+# What llama.cpp's converter cannot do with a tiny checkpoint that borrows SmolLM2's tokenizer files
+CONVERTER_CANNOT = {
+    "qwen2": "transformers 5 tokenizes every qwen2 checkpoint with Qwen2Tokenizer whatever tokenizer_config.json "
+             "names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and its pre-tokenizer on SmolLM2's vocabulary "
+             "hashes to none the converter knows (\"BPE pre-tokenizer was not recognized\")",
+    "gemma": "the converter reads a Gemma vocabulary only from a SentencePiece tokenizer.model; the checkpoint "
+             "has SmolLM2's BPE tokenizer.json",
+}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_convert(tmp_path_factory):
+    """convert(family, checkpoint, path): the checkpoint as a float32 GGUF written by llama.cpp's own
+    converter (`make llama-cpp-converter`; LLAMA_CPP_CONVERTER overrides its path), in one converter process
+    for the module (convert_with_llama_cpp.py); skips where it is absent or, for CONVERTER_CANNOT, fails."""
+    import contextlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    converter = Path(os.environ.get("LLAMA_CPP_CONVERTER", LLAMA_CPP_CONVERTER))
+    log = tmp_path_factory.mktemp("llama-cpp-converter") / "log.txt"
+    worker, stack = None, contextlib.ExitStack()  # the worker and its log file
+
+    def convert(family, checkpoint, path):
+        nonlocal worker
+        if not converter.is_file():
+            pytest.skip(f"llama.cpp's converter is not at {converter} (make llama-cpp-converter)")
+        if worker is None:
+            worker = subprocess.Popen([sys.executable, str(Path(__file__).parent / "convert_with_llama_cpp.py"),
+                                       str(converter)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=stack.enter_context(log.open("w")), text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+        source = path.parent / f"{family}-hf"
+        source.mkdir()
+        for item in checkpoint.iterdir():
+            (source / item.name).symlink_to(item)
+        if family == "phi3":  # its converter reads tokenizer.json's BPE vocabulary for a GPT2Tokenizer (Phi-4's)
+            settings = json.loads((checkpoint / "tokenizer_config.json").read_text())
+            (source / "tokenizer_config.json").unlink()
+            (source / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "GPT2Tokenizer"}))
+        worker.stdin.write(json.dumps([str(source), str(path)]) + "\n")
+        worker.stdin.flush()
+        reply = worker.stdout.readline()
+        assert reply, f"llama.cpp's converter process exited:\n{log.read_text()[-3000:]}"
+        error = json.loads(reply)
+        if error and family in CONVERTER_CANNOT:
+            pytest.skip(f"llama.cpp's converter cannot convert the tiny {family} checkpoint: "
+                        f"{CONVERTER_CANNOT[family]} (it said: {error})")
+        assert error is None, f"llama.cpp's converter failed on {family}: {error}\n{log.read_text()[-3000:]}"
+
+    with stack:
+        yield convert
+        if worker is not None:
+            worker.stdin.close()
+            worker.wait(timeout=60)
+
+
 def write_gguf(checkpoint, path, architecture: str) -> None:
     """The checkpoint as a float32 GGUF in llama.cpp's layout for `architecture` (tensor names of
-    models/gguf.py, rows unpermuted: qwen3 and gemma use NEOX RoPE; gemma's norms stored as 1 + w, as
-    llama.cpp's converter writes them), with the bundled GGUF's tokenizer."""
+    models/gguf.py, rows unpermuted: qwen2, qwen3 and gemma use NEOX RoPE; gemma's norms stored as 1 + w, as
+    llama.cpp's converter writes them), with the bundled GGUF's tokenizer: the GGUFs of the families the
+    converter cannot convert here, and a qwen3 one where the converter is not installed."""
     import json
 
     gguf = pytest.importorskip("gguf")
@@ -276,8 +386,9 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type(0)  # all F32
@@ -290,7 +401,7 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
     layer_names = {hf: g for g, hf in ours._LAYER_TENSORS.items()}
     global_names = {hf: g for g, hf in ours._GLOBAL_TENSORS.items()}
     for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
-        stem = name.removesuffix(".weight")
+        stem, _, suffix = name.rpartition(".")
         if stem in global_names:
             gguf_name = global_names[stem]
         else:
@@ -298,26 +409,49 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
             gguf_name = f"blk.{layer}.{layer_names[part]}"
         if architecture == "gemma" and stem.endswith("norm"):
             tensor = tensor.float() + 1.0
-        writer.add_tensor(gguf_name + ".weight", tensor.float().numpy())
+        writer.add_tensor(f"{gguf_name}.{suffix}", tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma"])
-def test_gguf_matches_transformers_and_llama_cpp(family, tmp_path, checkpoints, monkeypatch):
-    """A Qwen3 GGUF (q/k norms as attn_q_norm / attn_k_norm) and a Gemma one ((1 + w) norms, tied output):
-    our engine on it matches transformers on the checkpoint; where .venv-llamacpp exists, llama.cpp's greedy
-    tokens on the same file do too, which checks the layout the file is written in."""
+@pytest.mark.parametrize("family, writer", [
+    *[(family, "converter") for family in ["llama", "mistral_window", "qwen2", "qwen3", "gemma", "phi3", "mixtral"]],
+    ("qwen2", "ours"), ("qwen3", "ours"), ("gemma", "ours")])
+def test_gguf_matches_transformers_and_llama_cpp(family, writer, tmp_path, checkpoints, llama_cpp_convert,
+                                                monkeypatch):
+    """Each family's GGUF, written by llama.cpp's converter where it converts the tiny checkpoint (else by
+    write_gguf): our engine on it matches transformers on the checkpoint; where .venv-llamacpp exists,
+    llama.cpp's greedy tokens on the same file do too, which checks the layout the file is written in.
+    Mistral converts as `llama` without its window, and llama.cpp runs that architecture with full attention:
+    so do we, and transformers is the checkpoint with `sliding_window` null."""
+    import json
+
     from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, run_llama_cpp
+    from kernel_lab.models.config import ModelConfig
+    from kernel_lab.models.gguf import load_gguf
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     checkpoint = checkpoints(family)
     path = tmp_path / f"{family}.gguf"
-    write_gguf(checkpoint, path, family)
+    if writer == "converter":
+        llama_cpp_convert(family, checkpoint, path)
+    else:
+        write_gguf(checkpoint, path, family)
+    config = ModelConfig.from_hf(load_gguf(path)[0])
+    architecture = json.loads((checkpoint / "config.json").read_text())["architectures"][0]
+    assert config.architecture == {"MistralForCausalLM": "LlamaForCausalLM"}.get(architecture, architecture)
+    if family == "mistral_window":
+        assert config.sliding_window is None, "llama.cpp runs a Mistral GGUF with full attention"
+        reference = tmp_path / "mistral-full-attention"
+        shutil.copytree(checkpoint, reference)
+        settings = json.loads((reference / "config.json").read_text())
+        (reference / "config.json").write_text(json.dumps({**settings, "sliding_window": None}))
+    else:
+        reference = checkpoint
     prompt_ids, ours, our_logprobs = engine_greedy(path, "fused")
-    theirs, their_logprobs = transformers_greedy(checkpoint, prompt_ids)
+    theirs, their_logprobs = transformers_greedy(reference, prompt_ids)[:2]
     assert ours == theirs
     torch.testing.assert_close(torch.tensor(our_logprobs), torch.tensor(their_logprobs), rtol=1e-4, atol=1e-4)
     if not DEFAULT_LLAMA_CPP_PYTHON.exists():
