@@ -33,8 +33,11 @@ class ModelConfig:
     norm_offset: bool = False          # Gemma: norms scale by (1 + w); folded into w at load
     embed_scale: bool = False          # Gemma: embeddings times sqrt(hidden_size)
     fused_projections: bool = False    # Phi-3: the checkpoint stores qkv_proj and gate_up_proj stacked
-    num_experts: int = 0               # Mixtral: experts per layer (0: a dense MLP)
+    num_experts: int = 0               # Mixtral, Qwen-MoE: experts per layer (0: a dense MLP)
     experts_per_token: int = 0
+    renormalize_experts: bool = True   # the top-k routing weights rescaled to sum to 1 (Qwen: norm_topk_prob)
+    expert_intermediate_size: int = 0  # Qwen-MoE: each expert's (0: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen-MoE: an always-on expert, sigmoid-gated (0: none)
 
     @classmethod
     def from_hf(cls, config: dict) -> ModelConfig:

@@ -46,6 +46,9 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
                                 original_max_position_embeddings=512)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Qwen1.5-MoE's routing: the top-k weights not renormalised (norm_topk_prob false)
+    "qwen_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                        shared_expert_intermediate_size=80, norm_topk_prob=False)),
 }
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -218,41 +221,54 @@ def test_gguf_expert_tensors_read_as_each_experts_matrix(fmt, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ MoE layer
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 @pytest.mark.parametrize("interpret", ["0", "1"])
-def test_mixture_of_experts_layer_matches_float64(interpret, monkeypatch):
-    """Mixtral's layer (llama.MixtureOfExperts) through ops.moe: the torch path (TRITON_INTERPRET=0: one
-    gather and two matmuls per expert) and project 07's Triton kernels (the interpreter), against a float64
-    per-token reference of softmax, top-2, renormalise, SwiGLU experts and the weighted sum."""
+def test_mixture_of_experts_layer_matches_float64(interpret, architecture, monkeypatch):
+    """The MoE layer (llama.MixtureOfExperts) through ops.moe: the torch path (TRITON_INTERPRET=0: one gather
+    and two matmuls per expert) and project 07's Triton kernels (the interpreter), against a float64 per-token
+    reference of softmax, top-2, SwiGLU experts and the weighted sum: Mixtral's renormalised top-2, and
+    Qwen1.5-MoE's top-2 left as probabilities plus the shared expert scaled by sigmoid(shared_expert_gate(x))."""
     from kernel_lab import ops
     from kernel_lab.harness.testing import case_seed, randn
-    from kernel_lab.models.llama import MixtureOfExperts
+    from kernel_lab.models.llama import EXPERT_NAMES, MixtureOfExperts
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    experts, hidden, inter, tokens = 5, 48, 40, 11
-    seed = case_seed("moe-layer", interpret)
-    config = type("Config", (), {"num_experts": experts, "experts_per_token": 2})()
-    weights = {"block_sparse_moe.gate.weight": randn((experts, hidden), torch.float32, "cpu", seed)}
-    for j in range(experts):
-        for k, (rows, cols) in enumerate([(inter, hidden), (hidden, inter), (inter, hidden)]):
-            weights[f"block_sparse_moe.experts.{j}.w{k + 1}.weight"] = randn((rows, cols), torch.float32, "cpu",
-                                                                             seed + 10 * j + k + 1) * 0.3
+    experts, hidden, inter, shared_inter, tokens = 5, 48, 40, 24, 11
+    qwen = architecture == "Qwen2MoeForCausalLM"
+    seed = case_seed("moe-layer", interpret, architecture)
+    config = type("Config", (), {"architecture": architecture, "num_experts": experts, "experts_per_token": 2,
+                                 "renormalize_experts": not qwen, "shared_expert_intermediate_size": shared_inter * qwen,
+                                 "fused_projections": False, "hidden_act": "silu"})()
+    prefix, *routed = EXPERT_NAMES[architecture]
+    weights = {f"{prefix}gate.weight": randn((experts, hidden), torch.float32, "cpu", seed)}
+    # each expert's (gate, up, down) names and width: the routed ones, then Qwen's shared expert
+    mlps = [([f"{prefix}experts.{j}.{part}.weight" for part in routed], inter) for j in range(experts)]
+    if qwen:
+        mlps.append(([f"{prefix}shared_expert.{part}_proj.weight" for part in ("gate", "up", "down")], shared_inter))
+        weights[f"{prefix}shared_expert_gate.weight"] = randn((1, hidden), torch.float32, "cpu", seed + 98)
+    for j, ((g, u, d), width) in enumerate(mlps):
+        for k, (name, shape) in enumerate([(g, (width, hidden)), (u, (width, hidden)), (d, (hidden, width))]):
+            weights[name] = randn(shape, torch.float32, "cpu", seed + 10 * j + k + 1) * 0.3
     x = randn((tokens, hidden), torch.float32, "cpu", seed + 99)
     calls = []
     real_moe = ops.moe
     monkeypatch.setattr(ops, "moe", lambda *a, **k: calls.append(1) or real_moe(*a, **k))
     out = MixtureOfExperts(config, weights)(x)
     assert calls, "the layer must run through ops.moe"
-    expected = torch.empty(tokens, hidden, dtype=torch.float64)
     w = {n: t.double() for n, t in weights.items()}
+
+    def swiglu(mlp, xt):
+        g, u, d = (w[name] for name in mlp[0])
+        return d @ (torch.nn.functional.silu(g @ xt) * (u @ xt))
+
+    expected = torch.empty(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
-        probs = torch.softmax(w["block_sparse_moe.gate.weight"] @ x[t].double(), dim=-1)
-        top = torch.topk(probs, 2)
-        acc = torch.zeros(hidden, dtype=torch.float64)
-        for p, e in zip(top.values / top.values.sum(), top.indices.tolist(), strict=True):
-            gate = w[f"block_sparse_moe.experts.{e}.w1.weight"] @ x[t].double()
-            up = w[f"block_sparse_moe.experts.{e}.w3.weight"] @ x[t].double()
-            acc += p * (w[f"block_sparse_moe.experts.{e}.w2.weight"] @ (torch.nn.functional.silu(gate) * up))
-        expected[t] = acc
+        xt = x[t].double()
+        top = torch.topk(torch.softmax(w[f"{prefix}gate.weight"] @ xt, dim=-1), 2)
+        scale = top.values if qwen else top.values / top.values.sum()
+        expected[t] = sum(p * swiglu(mlps[e], xt) for p, e in zip(scale, top.indices.tolist(), strict=True))
+        if qwen:
+            expected[t] += torch.sigmoid(w[f"{prefix}shared_expert_gate.weight"] @ xt) * swiglu(mlps[-1], xt)
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
 
 
@@ -263,7 +279,10 @@ BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidde
 
 @pytest.mark.parametrize("config, message", [
     ({"architectures": ["Gemma2ForCausalLM"]}, "'Gemma2ForCausalLM': Gemma 2's attention and final logit softcapping"),
-    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen-MoE's shared expert is not implemented"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "'Qwen3MoeForCausalLM': Qwen3-MoE is not implemented"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "mlp_only_layers": [0]},
+     "Qwen-MoE's dense layers between sparse ones are not implemented"),
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported model architecture .*supported: LlamaForCausalLM"),
     ({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
      "unsupported rope type 'yarn'"),
