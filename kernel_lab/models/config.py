@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")  # what layers/rotary.py computes
+# Where each MoE checkpoint keeps a layer's experts: (prefix under the layer, expert j's gate, up and down names)
+EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
+                "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ experts stacked in one tensor per projection (`ffn_gate_exps` [E, I, H] and so o
 per-expert names. It writes no sliding window for either, and llama.cpp's `llama` architecture has none: a
 Mistral GGUF loads with full attention here as it runs in llama.cpp. Phi-3 is `phi3`: q|k|v fused as
 `attn_qkv`, gate|up as `ffn_up`, the layout of its checkpoint; its `sliding_window` key is ignored, as
-llama.cpp ignores it (it disables Phi-3's window).
+llama.cpp ignores it (it disables Phi-3's window). Qwen-MoE is `qwen2moe`: stacked experts as Mixtral's, the
+shared expert as `*_shexp`, and llama.cpp's routing (the top-k probabilities not renormalised).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False, False),  # rows as transformers lays them out (NEOX RoPE)
     "gemma": ("GemmaForCausalLM", "gemma", False, False),  # norms stored as 1 + w (see _Tensors.values)
     "phi3": ("Phi3ForCausalLM", "phi3", False, False),  # fused attn_qkv and ffn_up (_ARCHITECTURE_TENSORS)
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False, True),  # experts, and a shared one (*_shexp)
 }
 # A `llama` GGUF with `llama.expert_count` is Mixtral (the converter writes Mixtral as llama)
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -77,12 +79,15 @@ _LAYER_TENSORS = {
     "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral's router
 }
 # architecture -> its tensors whose names differ from _LAYER_TENSORS'
-_ARCHITECTURE_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
-# Mixtral's experts, stacked [experts, rows, columns] in one GGUF tensor per projection -> the Hugging Face
-# name of expert j's matrix (under model.layers.{i}.)
-_EXPERT_TENSORS = {"ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
-                   "ffn_down_exps": "block_sparse_moe.experts.{}.w2",
-                   "ffn_up_exps": "block_sparse_moe.experts.{}.w3"}
+_ARCHITECTURE_TENSORS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+}
+# The experts, stacked [experts, rows, columns] in one GGUF tensor per projection: which of the checkpoint's
+# per-expert names (config.EXPERT_NAMES: gate, up, down) each one holds
+_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -141,9 +146,9 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         return metadata.get(f"{arch}.{key}", default)
 
     experts = int(get("expert_count", 0))
-    if experts and arch != "llama":
+    if experts and arch not in ("llama", "qwen2moe"):
         raise ValueError(f"GGUF architecture {arch!r} with experts is not supported (in {str(path)!r})")
-    if experts:
+    if experts and arch == "llama":
         hf_arch, model_type = MIXTRAL
 
     hidden = int(get("embedding_length"))
@@ -196,7 +201,12 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         config.update({"original_max_position_embeddings": int(get("rope.scaling.original_context_length",
                                                                    config["max_position_embeddings"])),
                        "sliding_window": None, "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")})
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "qwen2_moe":  # llama.cpp's qwen2moe leaves the top-k weights as probabilities
+        config.update({"num_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+                       "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                       "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+                       "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})
+    if model_type in ("qwen2", "qwen3", "qwen2_moe"):
         config.pop("attention_bias")
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
             "num_hidden_layers"]})
@@ -235,15 +245,19 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
+def _hf_names(gguf_name: str, arch: str, hf_arch: str, experts: int) -> list[str]:
     """The Hugging Face names of a GGUF tensor: one, or one per expert for a stacked expert tensor (in
     expert order); none for a tensor we do not know."""
+    from .config import EXPERT_NAMES
+
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         prefix = f"model.layers.{layer}."
         if part in _EXPERT_TENSORS and experts:
-            return [f"{prefix}{_EXPERT_TENSORS[part].format(j)}.{suffix}" for j in range(experts)]
+            moe, *names = EXPERT_NAMES[hf_arch]
+            name = names[_EXPERT_TENSORS[part]]
+            return [f"{prefix}{moe}experts.{j}.{name}.{suffix}" for j in range(experts)]
         mapped = _ARCHITECTURE_TENSORS.get(arch, {}).get(part, _LAYER_TENSORS.get(part))
         return [f"{prefix}{mapped}.{suffix}"] if mapped else []
     mapped = _GLOBAL_TENSORS.get(stem)
@@ -289,14 +303,14 @@ class _Tensors:
             self.config["rope_parameters"] = self._llama3_parameters()
         self.names = {}
         self.expert = {}  # Hugging Face name -> its expert's index in the stacked GGUF tensor
-        experts = int(self.config.get("num_local_experts", 0))
+        experts = int(self.config.get("num_local_experts", self.config.get("num_experts", 0)))
         for name in self.file.tensors:
             if name == "rope_freqs.weight":  # a RoPE setting, not a weight: now in the config
                 continue
             if name.startswith("rope_factors_"):
                 raise ValueError(f"{str(self.path)!r}: tensor {name!r} holds LongRoPE factors (Phi-3 128k), "
                                  "which are not implemented")
-            hf_names = _hf_names(name, arch, experts)
+            hf_names = _hf_names(name, arch, self.config["architectures"][0], experts)
             if not hf_names:
                 raise ValueError(f"unexpected tensor {name!r} in {str(self.path)!r} (architecture {arch!r})")
             info = self.file.tensors[name]
@@ -326,8 +340,11 @@ class _Tensors:
             raise ValueError(f"{str(self.path)!r}: its rope_freqs tensor: {exc}") from None
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
-        """The tensor's shape under its Hugging Face name (one expert's matrix of a stacked expert tensor)."""
+        """The tensor's shape under its Hugging Face name (one expert's matrix of a stacked expert tensor; a
+        [1, hidden] shared-expert gate stored as a vector, as llama.cpp reads it)."""
         shape = self.names[hf_name].shape
+        if hf_name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            return (1, *shape)
         return shape[1:] if hf_name in self.expert else shape
 
     def rows(self, hf_name: str) -> np.ndarray:

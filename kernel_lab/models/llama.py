@@ -34,13 +34,9 @@ from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import QuantizedWeight
 
 from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
-from .config import ModelConfig
+from .config import EXPERT_NAMES, ModelConfig
 from .layers.linear import Embedding, Linear, QuantizedLinear, linear_for, param, weight_bytes
 from .layers.rotary import RotaryEmbedding, apply_rope
-
-# Where each MoE checkpoint keeps a layer's experts: (prefix under the layer, expert j's gate, up and down names)
-EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
-                "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

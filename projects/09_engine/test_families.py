@@ -230,7 +230,8 @@ def test_mixture_of_experts_layer_matches_float64(interpret, architecture, monke
     Qwen1.5-MoE's top-2 left as probabilities plus the shared expert scaled by sigmoid(shared_expert_gate(x))."""
     from kernel_lab import ops
     from kernel_lab.harness.testing import case_seed, randn
-    from kernel_lab.models.llama import EXPERT_NAMES, MixtureOfExperts
+    from kernel_lab.models.config import EXPERT_NAMES
+    from kernel_lab.models.llama import MixtureOfExperts
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     experts, hidden, inter, shared_inter, tokens = 5, 48, 40, 24, 11
@@ -437,7 +438,8 @@ def write_gguf(checkpoint, path, architecture: str) -> None:
 
 
 @pytest.mark.parametrize("family, writer", [
-    *[(family, "converter") for family in ["llama", "mistral_window", "qwen2", "qwen3", "gemma", "phi3", "mixtral"]],
+    *[(family, "converter") for family in ["llama", "mistral_window", "qwen2", "qwen3", "gemma", "phi3", "mixtral",
+                                           "qwen_moe"]],
     ("qwen2", "ours"), ("qwen3", "ours"), ("gemma", "ours")])
 def test_gguf_matches_transformers_and_llama_cpp(family, writer, tmp_path, checkpoints, llama_cpp_convert,
                                                 monkeypatch):
