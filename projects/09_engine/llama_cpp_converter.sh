@@ -21,7 +21,9 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 SDIST=${LLAMA_CPP_SDIST:-}
 if [ -z "$SDIST" ]; then
-  "${PYTHON:-$REPO/.venv/bin/python}" -m pip download --disable-pip-version-check --no-deps --no-binary :all: \
+  PY=${PYTHON:-$REPO/.venv/bin/python}
+  [ -x "$PY" ] || PY=python3
+  "$PY" -m pip download --disable-pip-version-check --no-deps --no-binary :all: \
     "llama-cpp-python==$VERSION" -d "$TMP"
   SDIST=$(ls "$TMP"/llama_cpp_python-*.tar.gz)
 fi
