@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cat requirements.txt requirements-cpu.txt requirements-model.txt pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 HAS_GPU := $(shell nvidia-smi -L > /dev/null 2>&1 && echo 1)
 
-.PHONY: install test check gpu-test benchmark results inspect demo plugin-test llama-cpp-env clean
+.PHONY: install test check gpu-test benchmark results inspect demo plugin-test llama-cpp-env llama-cpp-converter clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ plugin-test:
 # The llama.cpp baseline's environment (.venv-llamacpp: llama-cpp-python built for this CPU); not part of `make test`.
 llama-cpp-env:
 	bash projects/09_engine/llama_cpp_env.sh
+
+# llama.cpp's HF -> GGUF converter (.llama-cpp-converter), for test_families.py's GGUF tests; not part of `make test`.
+llama-cpp-converter:
+	bash projects/09_engine/llama_cpp_converter.sh
 
 clean:
 	rm -rf .venv .pytest_cache build *.egg-info

@@ -3,8 +3,9 @@
     python -m kernel_lab.bench.llama_cpp IN.json OUT.json        (PYTHONPATH=<repo>, .venv-llamacpp's Python)
 
 IN.json: {"model": "<.gguf>", "prompts": [[token ids], ...], "output_len": N or [N per request],
-"concurrency": C, "threads": T} (optional: "n_batch", "kv_unified", "warmup"). OUT.json: per-request output
-token ids, the timed loop's wall time, token counts, llama-cpp-python's version and llama.cpp's system info.
+"concurrency": C, "threads": T} (optional: "n_batch", "kv_unified", "kv_cache_type": "f16" or "f32", "warmup").
+OUT.json: per-request output token ids, the timed loop's wall time, token counts, llama-cpp-python's version and
+llama.cpp's system info.
 
 This file runs in its own environment (projects/09_engine/llama_cpp_env.sh builds .venv-llamacpp): it
 imports only the standard library, numpy and llama_cpp, never torch or the rest of kernel_lab.
@@ -41,13 +42,18 @@ def _import_llama_cpp():
 
 class LlamaCpp:
     """One model and one context on llama.cpp's C API. `lib` is the `llama_cpp` module (a test passes a fake);
-    `concurrency` sequences of up to `max_len` tokens each; `threads` for both decode and prompt batches."""
+    `concurrency` sequences of up to `max_len` tokens each; `threads` for both decode and prompt batches.
+    kv_cache_type "f16" is llama.cpp's default (with flash attention where it picks it); "f32" keeps K and V
+    unrounded, an f32 cache without flash attention (whose CPU kernel rounds them to f16), for agreement checks
+    that must not flip near-tied greedy steps."""
 
     def __init__(self, model_path: str, concurrency: int, max_len: int, threads: int, n_batch: int = 512,
-                 kv_unified: bool = False, lib=None, verbose: bool = False):
+                 kv_unified: bool = False, lib=None, verbose: bool = False, kv_cache_type: str = "f16"):
         self.lib = lib = _import_llama_cpp() if lib is None else lib
         if concurrency < 1 or max_len < 1 or threads < 1 or n_batch < 1:
             raise ValueError("concurrency, max_len, threads and n_batch must be positive")
+        if kv_cache_type not in ("f16", "f32"):
+            raise ValueError(f"kv_cache_type must be 'f16' or 'f32', not {kv_cache_type!r}")
         self.concurrency, self.max_len, self.threads = concurrency, max_len, threads
         self.n_batch = max(n_batch, concurrency)  # a decode step puts one token of every sequence in one batch
         if not verbose and hasattr(lib, "llama_log_set"):
@@ -72,6 +78,12 @@ class LlamaCpp:
         cparams.n_threads_batch = threads
         if hasattr(cparams, "kv_unified"):
             cparams.kv_unified = kv_unified
+        if kv_cache_type == "f32":
+            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
+            if hasattr(cparams, "flash_attn_type"):
+                cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            else:  # llama-cpp-python before the flash_attn_type setting
+                cparams.flash_attn = False
         cparams.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -209,12 +221,14 @@ def versions(lib=None) -> dict:
 
 
 def run_workload(model: str, prompts: list[list[int]], output_len, concurrency: int, threads: int,
-                 n_batch: int = 512, kv_unified: bool = False, warmup: bool = True, lib=None) -> dict:
+                 n_batch: int = 512, kv_unified: bool = False, warmup: bool = True, lib=None,
+                 kv_cache_type: str = "f16") -> dict:
     """Time the continuous-batching loop on the workload (after a short untimed warm-up request)."""
     lib = _import_llama_cpp() if lib is None else lib
     output_lens = [int(output_len)] * len(prompts) if isinstance(output_len, int) else [int(n) for n in output_len]
     max_len = max(len(p) + n for p, n in zip(prompts, output_lens))
-    with LlamaCpp(model, concurrency, max_len, threads, n_batch=n_batch, kv_unified=kv_unified, lib=lib) as llm:
+    with LlamaCpp(model, concurrency, max_len, threads, n_batch=n_batch, kv_unified=kv_unified, lib=lib,
+                  kv_cache_type=kv_cache_type) as llm:
         if warmup:
             llm.generate([prompts[0][:8]], [min(4, max_len - min(8, len(prompts[0])))])
         start = time.perf_counter()
@@ -226,7 +240,7 @@ def run_workload(model: str, prompts: list[list[int]], output_len, concurrency: 
         raise RuntimeError(f"llama.cpp generated {generated} tokens; the workload asks for {sum(output_lens)}")
     return {"outputs": outputs, "elapsed_time": elapsed, "generated": generated,
             "prompt_tokens": sum(len(p) for p in prompts), "concurrency": concurrency, "threads": threads,
-            "n_batch": llm.n_batch, "kv_unified": kv_unified, "model": str(model),
+            "n_batch": llm.n_batch, "kv_unified": kv_unified, "kv_cache_type": kv_cache_type, "model": str(model),
             "decode_step_seconds": decode_step_seconds, **versions(lib)}
 
 
@@ -246,7 +260,8 @@ def main(argv=None) -> int:
         spec = json.load(f)
     result = run_workload(spec["model"], spec["prompts"], spec["output_len"], int(spec["concurrency"]),
                           int(spec["threads"]), n_batch=int(spec.get("n_batch", 512)),
-                          kv_unified=bool(spec.get("kv_unified", False)), warmup=bool(spec.get("warmup", True)))
+                          kv_unified=bool(spec.get("kv_unified", False)), warmup=bool(spec.get("warmup", True)),
+                          kv_cache_type=spec.get("kv_cache_type", "f16"))
     with open(argv[1], "w") as f:
         json.dump(result, f)
         f.write("\n")

@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")  # what layers/rotary.py computes
+# Where each MoE checkpoint keeps a layer's experts: (prefix under the layer, expert j's gate, up and down names)
+EXPERT_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
+                "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,11 @@ class ModelConfig:
     norm_offset: bool = False          # Gemma: norms scale by (1 + w); folded into w at load
     embed_scale: bool = False          # Gemma: embeddings times sqrt(hidden_size)
     fused_projections: bool = False    # Phi-3: the checkpoint stores qkv_proj and gate_up_proj stacked
-    num_experts: int = 0               # Mixtral: experts per layer (0: a dense MLP)
+    num_experts: int = 0               # Mixtral, Qwen-MoE: experts per layer (0: a dense MLP)
     experts_per_token: int = 0
+    renormalize_experts: bool = True   # the top-k routing weights rescaled to sum to 1 (Qwen: norm_topk_prob)
+    expert_intermediate_size: int = 0  # Qwen-MoE: each expert's (0: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen-MoE: an always-on expert, sigmoid-gated (0: none)
 
     @classmethod
     def from_hf(cls, config: dict) -> ModelConfig:

@@ -13,6 +13,14 @@ user cache. The engine, transformers and vLLM then all load that directory offli
 llama.cpp's converter permutes the rows of the q and k projections of Llama-architecture models (it turns
 Hugging Face's "rotate halves" RoPE layout into llama.cpp's "rotate adjacent pairs" layout). `load_gguf`
 undoes that, so the weights match what transformers loads.
+
+The converter writes Mistral and Mixtral as `llama` too: Mixtral with `llama.expert_count` and each layer's
+experts stacked in one tensor per projection (`ffn_gate_exps` [E, I, H] and so on), read back as Mixtral's
+per-expert names. It writes no sliding window for either, and llama.cpp's `llama` architecture has none: a
+Mistral GGUF loads with full attention here as it runs in llama.cpp. Phi-3 is `phi3`: q|k|v fused as
+`attn_qkv`, gate|up as `ffn_up`, the layout of its checkpoint; its `sliding_window` key is ignored, as
+llama.cpp ignores it (it disables Phi-3's window). Qwen-MoE is `qwen2moe`: stacked experts as Mixtral's, the
+shared expert as `*_shexp`, and llama.cpp's routing (the top-k probabilities not renormalised).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -48,7 +57,11 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False, True),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False, False),  # rows as transformers lays them out (NEOX RoPE)
     "gemma": ("GemmaForCausalLM", "gemma", False, False),  # norms stored as 1 + w (see _Tensors.values)
+    "phi3": ("Phi3ForCausalLM", "phi3", False, False),  # fused attn_qkv and ffn_up (_ARCHITECTURE_TENSORS)
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False, True),  # experts, and a shared one (*_shexp)
 }
+# A `llama` GGUF with `llama.expert_count` is Mixtral (the converter writes Mixtral as llama)
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 # Per-layer GGUF tensor name -> Hugging Face name (under model.layers.{i}.)
 _LAYER_TENSORS = {
@@ -63,7 +76,18 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral's router
 }
+# architecture -> its tensors whose names differ from _LAYER_TENSORS'
+_ARCHITECTURE_TENSORS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+}
+# The experts, stacked [experts, rows, columns] in one GGUF tensor per projection: which of the checkpoint's
+# per-expert names (config.EXPERT_NAMES: gate, up, down) each one holds
+_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -121,6 +145,12 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
     def get(key, default=None):
         return metadata.get(f"{arch}.{key}", default)
 
+    experts = int(get("expert_count", 0))
+    if experts and arch not in ("llama", "qwen2moe"):
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported (in {str(path)!r})")
+    if experts and arch == "llama":
+        hf_arch, model_type = MIXTRAL
+
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = int(get("attention.head_count_kv", heads))
@@ -157,9 +187,26 @@ def config_from_metadata(metadata: dict, has_output_weight: bool, path="<gguf>")
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    rope_dims = int(get("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:  # partial rotary: ModelConfig refuses it by name
+        config["partial_rotary_factor"] = rope_dims / head_dim
     if model_type == "gemma":
         config["hidden_act"] = "gelu_pytorch_tanh"
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "mixtral":
+        config.update({"num_local_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+                       "sliding_window": None})
+    if model_type == "phi3":
+        config.pop("attention_bias")
+        config.pop("mlp_bias")
+        config.update({"original_max_position_embeddings": int(get("rope.scaling.original_context_length",
+                                                                   config["max_position_embeddings"])),
+                       "sliding_window": None, "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")})
+    if model_type == "qwen2_moe":  # llama.cpp's qwen2moe leaves the top-k weights as probabilities
+        config.update({"num_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+                       "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                       "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+                       "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})
+    if model_type in ("qwen2", "qwen3", "qwen2_moe"):
         config.pop("attention_bias")
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": config[
             "num_hidden_layers"]})
@@ -198,14 +245,23 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_names(gguf_name: str, arch: str, hf_arch: str, experts: int) -> list[str]:
+    """The Hugging Face names of a GGUF tensor: one, or one per expert for a stacked expert tensor (in
+    expert order); none for a tensor we do not know."""
+    from .config import EXPERT_NAMES
+
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        mapped = _LAYER_TENSORS.get(part)
-        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
+        prefix = f"model.layers.{layer}."
+        if part in _EXPERT_TENSORS and experts:
+            moe, *names = EXPERT_NAMES[hf_arch]
+            name = names[_EXPERT_TENSORS[part]]
+            return [f"{prefix}{moe}experts.{j}.{name}.{suffix}" for j in range(experts)]
+        mapped = _ARCHITECTURE_TENSORS.get(arch, {}).get(part, _LAYER_TENSORS.get(part))
+        return [f"{prefix}{mapped}.{suffix}"] if mapped else []
     mapped = _GLOBAL_TENSORS.get(stem)
-    return f"{mapped}.{suffix}" if mapped else None
+    return [f"{mapped}.{suffix}"] if mapped else []
 
 
 def load_gguf(path) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -246,13 +302,26 @@ class _Tensors:
         if "rope_freqs.weight" in self.file.tensors:
             self.config["rope_parameters"] = self._llama3_parameters()
         self.names = {}
+        self.expert = {}  # Hugging Face name -> its expert's index in the stacked GGUF tensor
+        experts = int(self.config.get("num_local_experts", self.config.get("num_experts", 0)))
         for name in self.file.tensors:
             if name == "rope_freqs.weight":  # a RoPE setting, not a weight: now in the config
                 continue
-            hf_name = _hf_name(name)
-            if hf_name is None:
+            if name.startswith("rope_factors_"):
+                raise ValueError(f"{str(self.path)!r}: tensor {name!r} holds LongRoPE factors (Phi-3 128k), "
+                                 "which are not implemented")
+            hf_names = _hf_names(name, arch, self.config["architectures"][0], experts)
+            if not hf_names:
                 raise ValueError(f"unexpected tensor {name!r} in {str(self.path)!r} (architecture {arch!r})")
-            self.names[hf_name] = self.file.tensors[name]
+            info = self.file.tensors[name]
+            stacked = len(hf_names) > 1 or len(info.shape) == 3
+            if stacked and (len(info.shape) != 3 or info.shape[0] != len(hf_names)):
+                raise ValueError(f"{str(self.path)!r}: expert tensor {name!r} has shape {info.shape}, not "
+                                 f"[{len(hf_names)} experts, rows, columns]")
+            for j, hf_name in enumerate(hf_names):
+                self.names[hf_name] = info
+                if stacked:
+                    self.expert[hf_name] = j
 
     def _llama3_parameters(self) -> dict:
         """Llama 3.1+'s rope_parameters from the file's `rope_freqs` (llama.cpp's per-frequency divisors)."""
@@ -270,12 +339,23 @@ class _Tensors:
         except ValueError as exc:
             raise ValueError(f"{str(self.path)!r}: its rope_freqs tensor: {exc}") from None
 
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The tensor's shape under its Hugging Face name (one expert's matrix of a stacked expert tensor; a
+        [1, hidden] shared-expert gate stored as a vector, as llama.cpp reads it)."""
+        shape = self.names[hf_name].shape
+        if hf_name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            return (1, *shape)
+        return shape[1:] if hf_name in self.expert else shape
+
     def rows(self, hf_name: str) -> np.ndarray:
         """uint8 [rows, row bytes]: a view of the map, or for permuted q/k rows a copy in transformers' order."""
         import numpy as np
 
         info = self.names[hf_name]
-        rows = self.file.tensor_bytes(info).reshape(info.shape[0] if len(info.shape) > 1 else 1, -1)
+        rows = self.file.tensor_bytes(info).reshape(math.prod(info.shape[:-1]), -1)  # 1 row for a vector
+        if hf_name in self.expert:  # expert j's rows of the stacked [experts, rows, columns]
+            count = info.shape[1]
+            rows = rows[self.expert[hf_name] * count:(self.expert[hf_name] + 1) * count]
         if self.permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = self.config["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
             rows = np.ascontiguousarray(unpermute_rows(rows, heads))
@@ -288,13 +368,16 @@ class _Tensors:
 
         info = self.names[hf_name]
         values = dequantize(self.rows(hf_name), GGMLQuantizationType(info.ggml_type))
-        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape(hf_name)))
         if self.metadata.get("general.architecture") == "gemma" and hf_name.endswith("norm.weight"):
-            values -= 1.0  # llama.cpp's converter stores Gemma's (1 + w); Hugging Face's layout holds w
+            # llama.cpp's converter stores Gemma's (1 + w); Hugging Face's layout holds w. Not in place: an F32
+            # tensor's values are a view of the file's copy-on-write map, which the next read would see.
+            values = values - 1.0
         return values
 
     def block_format(self, hf_name: str) -> str | None:
-        """The tensor's format when ops/gguf_linear.py computes on it (a matrix in one of its formats)."""
+        """The tensor's format when ops/gguf_linear.py computes on it (a matrix in one of its formats; not an
+        expert's, which ops.moe takes in float)."""
         from kernel_lab.ops.gguf_linear import FORMATS
 
         info = self.names[hf_name]
@@ -328,9 +411,9 @@ def gguf_weights(path, quantized: bool, skip=()) -> dict:
         if fmt is not None:
             rows = torch.from_numpy(tensors.rows(name))
             weights[name] = QuantizedWeight(FORMATS[fmt], rows, info.shape)
-        elif len(info.shape) == 2:
+        elif len(tensors.shape(name)) == 2:
             logger.info("%s: %s (%s) has no quantized kernel; it is dequantized to float32", tensors.path.name,
-                        info.name, info.type_name)
+                        name if name in tensors.expert else info.name, info.type_name)
     return weights
 
 

@@ -1,4 +1,4 @@
-"""The shared decoder of every family in registry.py (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral), built on
+"""The shared decoder of every family in registry.py (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen-MoE), on
 `kernel_lab.ops` and `layers/`; each family's file sets the ModelConfig fields that switch its parts.
 
     x = embed(ids)
@@ -6,7 +6,7 @@
                      x = h + mlp(rms_norm(h))
     logits = lm_head(rms_norm(x))
 
-mlp is down_proj(silu_and_mul(gate_up_proj(.))) (gelu_and_mul for Gemma) or Mixtral's experts on ops.moe;
+mlp is down_proj(silu_and_mul(gate_up_proj(.))) (gelu_and_mul for Gemma) or experts on ops.moe (Mixtral, Qwen-MoE);
 Qwen3 normalises each q and k head before RoPE; Gemma scales the embeddings by sqrt(hidden); Mistral's
 attention sees its last `sliding_window` positions.
 
@@ -34,7 +34,7 @@ from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import QuantizedWeight
 
 from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
-from .config import ModelConfig
+from .config import EXPERT_NAMES, ModelConfig
 from .layers.linear import Embedding, Linear, QuantizedLinear, linear_for, param, weight_bytes
 from .layers.rotary import RotaryEmbedding, apply_rope
 
@@ -61,12 +61,20 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.v_proj.bias": (kv,)})
         if config.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-        if config.num_experts:  # Mixtral: a router and per expert w1 (gate), w3 (up), w2 (down)
-            moe = p + "block_sparse_moe."
+        if config.num_experts:  # a router and per expert gate, up, down (Qwen-MoE: and a gated shared expert)
+            prefix, gate, up, down = EXPERT_NAMES[config.architecture]
+            moe, e_inter = p + prefix, config.expert_intermediate_size or inter
             shapes[moe + "gate.weight"] = (config.num_experts, h)
             for j in range(config.num_experts):
-                shapes.update({f"{moe}experts.{j}.w1.weight": (inter, h), f"{moe}experts.{j}.w3.weight": (inter, h),
-                               f"{moe}experts.{j}.w2.weight": (h, inter)})
+                shapes.update({f"{moe}experts.{j}.{gate}.weight": (e_inter, h),
+                               f"{moe}experts.{j}.{up}.weight": (e_inter, h),
+                               f"{moe}experts.{j}.{down}.weight": (h, e_inter)})
+            if config.shared_expert_intermediate_size:
+                shared = config.shared_expert_intermediate_size
+                shapes.update({moe + "shared_expert.gate_proj.weight": (shared, h),
+                               moe + "shared_expert.up_proj.weight": (shared, h),
+                               moe + "shared_expert.down_proj.weight": (h, shared),
+                               moe + "shared_expert_gate.weight": (1, h)})
         elif config.fused_projections:
             shapes.update({p + "mlp.gate_up_proj.weight": (2 * inter, h), p + "mlp.down_proj.weight": (h, inter)})
         else:
@@ -114,25 +122,38 @@ class DenseMLP(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Mixtral's sparse MLP on project 07's `ops.moe`: softmax over the router's logits, the top-k experts
-    renormalised, one grouped GEMM per projection over the tokens sorted by expert, then the weighted combine.
-    The experts' w1 (gate) and w3 (up) are stacked into [E, 2I, H] at load, w2 into [E, H, I]."""
+    """Mixtral's and Qwen-MoE's sparse MLP on project 07's `ops.moe`: softmax over the router's logits, the
+    top-k experts (renormalised unless `renormalize_experts` is off, as in Qwen1.5-MoE), one grouped GEMM per
+    projection over the tokens sorted by expert, then the weighted combine. The experts' gate and up are
+    stacked into [E, 2I, H] at load, down into [E, H, I]. Qwen-MoE adds a shared expert, a dense MLP on every
+    token scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
         experts = range(config.num_experts)
-        prefix = "block_sparse_moe."
+        prefix, gate, up, down = EXPERT_NAMES[config.architecture]
         self.router = Linear(weights[prefix + "gate.weight"])
-        self.w_gate_up = param(torch.stack([torch.cat([weights[f"{prefix}experts.{j}.w1.weight"],
-                                                       weights[f"{prefix}experts.{j}.w3.weight"]]) for j in experts]))
-        self.w_down = param(torch.stack([weights[f"{prefix}experts.{j}.w2.weight"] for j in experts]))
-        self.top_k = config.experts_per_token
+        self.w_gate_up = param(torch.stack([torch.cat([weights[f"{prefix}experts.{j}.{gate}.weight"],
+                                                       weights[f"{prefix}experts.{j}.{up}.weight"]]) for j in experts]))
+        self.w_down = param(torch.stack([weights[f"{prefix}experts.{j}.{down}.weight"] for j in experts]))
+        self.top_k, self.renormalize = config.experts_per_token, config.renormalize_experts
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            shared = prefix + "shared_expert."
+            self.shared_expert = DenseMLP(config, {f"mlp.{p}_proj.weight": weights[f"{shared}{p}_proj.weight"]
+                                                   for p in ("gate", "up", "down")})
+            self.shared_expert_gate = Linear(weights[prefix + "shared_expert_gate.weight"])
 
     def forward(self, x, fused_cpu_decode: bool = False):
-        return ops.moe(x, self.w_gate_up, self.w_down, self.router(x), self.top_k, renormalize=True)
+        out = ops.moe(x, self.w_gate_up, self.w_down, self.router(x), self.top_k, renormalize=self.renormalize)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused_cpu_decode)
+        return out
 
     def projections(self):
-        return [self.router]  # the experts a step reads depend on its routing: left out of decode_weight_bytes
+        # the routed experts a step reads depend on its routing: left out of decode_weight_bytes
+        shared = [*self.shared_expert.projections(), self.shared_expert_gate] if self.shared_expert else []
+        return [self.router, *shared]
 
 
 class DecoderLayer(nn.Module):

@@ -18,13 +18,13 @@ ARCHITECTURES = {
     "GemmaForCausalLM": "gemma:GemmaForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
 }
 # names people will try, with what is missing: refused at load with this reason
 REFUSED = {
     "Gemma2ForCausalLM": "Gemma 2's attention and final logit softcapping and its alternating sliding-window "
                          "layers are not implemented",
     "Gemma3ForCausalLM": "Gemma 3's per-layer sliding windows and local RoPE base are not implemented",
-    "Qwen2MoeForCausalLM": "Qwen-MoE's shared expert is not implemented",
     "Qwen3MoeForCausalLM": "Qwen3-MoE is not implemented",
 }
 
