@@ -19,7 +19,7 @@ $(STAMP): requirements.txt requirements-cpu.txt requirements-model.txt pyproject
 	@touch $@
 
 # The CPU suite: references, Triton through the interpreter, AOT compile checks, engine and server.
-test: install
+test: install llama-cpp-converter
 	$(PY) -m pytest
 
 check: install
@@ -50,7 +50,7 @@ plugin-test:
 llama-cpp-env:
 	bash projects/09_engine/llama_cpp_env.sh
 
-# llama.cpp's HF -> GGUF converter (.llama-cpp-converter), for test_families.py's GGUF tests; not part of `make test`.
+# llama.cpp's HF -> GGUF converter (.llama-cpp-converter, 13 s once), for test_families.py's GGUF tests; `make test` fetches it.
 llama-cpp-converter:
 	bash projects/09_engine/llama_cpp_converter.sh
 
