@@ -86,6 +86,7 @@ def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, outp
         if any(result.get(k) != v for k, v in expected.items()) or result.get("threads") not in (None, threads):
             raise SystemExit(f"{out} does not hold the run {expected | {'threads': threads}}")
         return result
+    out = out.resolve()   # the command runs in `repo`, which may be another checkout
     cmd = [python, "-m", "kernel_lab.cli", "bench", "throughput", "--backend", backend,
            "--dataset-name", "fixed", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
            "--output-len", str(output_len), "--max-num-seqs", str(concurrency), "--dtype", "float32",

@@ -226,9 +226,12 @@ def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tm
         commands[-1][2].write_text(json.dumps(summary("kernel-lab", 4, 2, n, speed)))
 
     monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
-    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
+    monkeypatch.chdir(tmp_path)   # a relative --out, as the README's commands give it
+    cpu_throughput.main(["--out", ".", "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
                          "--input-len", "16", "--output-len", "8", "--backends", "--repeats", "2",
                          "--reference-checkout", str(ref)])
+    # the command runs in the other checkout: a relative output path would land in its tree
+    assert all(out.is_absolute() and out.is_relative_to(tmp_path) for _, _, out in commands)
     assert [(cwd == ref, path == ref) for cwd, path, _ in
             [(c, Path(p), o) for c, p, o in commands]] == [(False, False), (True, True)] * 2
     names = [out.name for _, _, out in commands]
