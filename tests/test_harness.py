@@ -150,3 +150,32 @@ def test_input_checks_name_the_argument():
         check_tensor("q", torch.ones(1), dtypes=(torch.float16, torch.bfloat16))
     with pytest.raises(ValueError, match="x must be 2-D"):
         check_tensor("x", torch.ones(1), ndim=2)
+
+
+def test_read_bandwidth_is_measured_with_the_asked_threads_and_restores_the_count():
+    import torch
+
+    from kernel_lab.harness import roofline
+
+    seen = []
+    real_benchmark = roofline.benchmark
+
+    def spy(fn, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_benchmark(fn, **kwargs)
+
+    before = torch.get_num_threads()
+    roofline.benchmark, saved = spy, roofline.benchmark
+    try:
+        out = roofline.measure_read_bandwidth(1, nbytes=8 << 20)
+    finally:
+        roofline.benchmark = saved
+    assert seen == [1] and torch.get_num_threads() == before
+    assert out["threads"] == 1 and out["GBps"] > 0 and "8 MiB" in out["method"]
+
+
+def test_cpu_ceilings_are_cached_per_cpu_model():
+    from kernel_lab.harness import env, roofline
+
+    key = roofline._cache_key(__import__("torch").device("cpu"))
+    assert (env._cpu_description()[0] or "None") in key

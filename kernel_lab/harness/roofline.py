@@ -31,7 +31,9 @@ def _cache_key(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name}|sm{props.major}{props.minor}|torch{torch.__version__}"
-    return f"cpu|{os.cpu_count()}|torch{torch.__version__}"
+    from .env import _cpu_description  # a cached ceiling must never pass from one CPU model to another
+
+    return f"cpu|{_cpu_description()[0]}|{os.cpu_count()}|torch{torch.__version__}"
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
@@ -44,6 +46,24 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
     moved = 2 * src.numel() * src.element_size()
     return {"GBps": moved / (t.median_ms * 1e-3) / 1e9, "method": f"copy_ of {moved // 2 >> 20} MiB fp32, "
             "bytes read + written over the median time", "timing": t.to_dict()}
+
+
+def measure_read_bandwidth(threads: int, nbytes: int = 512 << 20) -> dict:
+    """CPU bytes read per second by `threads` threads: a sum over a float32 buffer far larger than the caches.
+    A decode step mostly reads (its weights) and writes little, so this, not the copy (which spends half its
+    traffic writing), bounds a step's weight-read rate; it depends on the thread count, so it is measured per
+    count, uncached."""
+    src = torch.randn(nbytes // 4)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = benchmark(lambda: src.sum(), device=torch.device("cpu"), warmup=3, rep=15, flush_l2=False,
+                      cuda_graph=False)
+    finally:
+        torch.set_num_threads(previous)
+    return {"GBps": src.numel() * 4 / (t.median_ms * 1e-3) / 1e9, "threads": threads,
+            "method": f"sum of {nbytes >> 20} MiB fp32 with {threads} thread(s), bytes read over the median time",
+            "timing": t.to_dict()}
 
 
 def measure_matmul_tflops(device: torch.device, n: int = 8192) -> dict:

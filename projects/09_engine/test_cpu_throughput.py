@@ -16,12 +16,15 @@ cpu_throughput = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu_throughput)
 
 COPY_GBPS = 10.0
+READ_GBPS = 6.0     # per thread
 WEIGHT_BYTES = 100_000_000
 
 
 @pytest.fixture(autouse=True)
 def fake_ceilings(monkeypatch):
     monkeypatch.setattr(results, "ceilings", lambda device: {"copy": {"GBps": COPY_GBPS}, "matmul": {"TFLOPs": 1.0}})
+    monkeypatch.setattr(cpu_throughput, "measure_read_bandwidth", lambda threads: {"GBps": READ_GBPS * threads,
+                                                                                   "threads": threads})
 
 
 def summary(backend, c, t, n, tok_s, input_len=16, output_len=8):
@@ -201,6 +204,9 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     single = COPY_GBPS * 1e9 / WEIGHT_BYTES
     assert b1["ceiling_tok_s"] == pytest.approx(single)
     assert b1["percent_of_ceiling"] == pytest.approx(100 * 20.0 / single)
+    read_bound = READ_GBPS * 2 * 1e9 / WEIGHT_BYTES   # two threads' read bandwidth
+    assert b1["read_ceiling_tok_s"] == pytest.approx(read_bound)
+    assert b1["percent_of_read_ceiling"] == pytest.approx(100 * 20.0 / read_bound)
     assert prompt["shape"] == {"concurrency": 1, "threads": 2, "num_prompts": 3, "input_len": 512, "output_len": 1}
     assert prompt["quantity"] == "prompt tokens per second"
     assert prompt["metric"] == {"unit": "tok/s", "value": pytest.approx(3 * 512 / 4.0)}
