@@ -164,6 +164,18 @@ def stack(parts: list[PackedWeight]) -> PackedStack:
     return PackedStack(tuple(views), tiles, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
+def _tiles_shape(weight: QuantizedWeight) -> tuple[int, int]:
+    n, k = weight.shape
+    widened = BLOCK_BYTES[weight.ggml_type] + _WIDE_EXTRA.get(weight.ggml_type, 0)
+    return -(-n // TILE_ROWS), k // BLOCK_WEIGHTS[weight.ggml_type] * TILE_ROWS * widened
+
+
+def _pack_into(lib, weight: QuantizedWeight, tiles: torch.Tensor) -> PackedWeight:
+    if lib.kl_gguf_pack(weight.ggml_type, weight.data.data_ptr(), *weight.shape, tiles.data_ptr()) != 0:
+        raise RuntimeError("kl_gguf_pack failed")
+    return PackedWeight(weight.ggml_type, tiles, weight.shape)
+
+
 def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
     """Regroup a weight's blocks into the kernel's 8-row tiles (done once, at load): by the C packer where
     the library loads (a 1B model in about a second), else by these torch gathers (tens of seconds at
@@ -171,13 +183,7 @@ def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
     _check_weight(weight)
     lib = _library() if use_kernel else None
     if lib is not None:
-        n, k = weight.shape
-        widened = BLOCK_BYTES[weight.ggml_type] + _WIDE_EXTRA.get(weight.ggml_type, 0)
-        tiles = torch.empty(-(-n // TILE_ROWS), k // BLOCK_WEIGHTS[weight.ggml_type] * TILE_ROWS * widened,
-                            dtype=torch.uint8)
-        if lib.kl_gguf_pack(weight.ggml_type, weight.data.data_ptr(), n, k, tiles.data_ptr()) != 0:
-            raise RuntimeError("kl_gguf_pack failed")
-        return PackedWeight(weight.ggml_type, tiles, weight.shape)
+        return _pack_into(lib, weight, torch.empty(_tiles_shape(weight), dtype=torch.uint8))
     if weight.ggml_type in K_QUANTS:
         return _kquant_pack(weight)
     n, k = weight.shape
@@ -195,6 +201,31 @@ def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
     parts.append(quants.reshape(-1, nb, groups * TILE_ROWS * 4))
     tiles = torch.cat(parts, dim=-1).reshape(padded // TILE_ROWS, nb * TILE_ROWS * bb).contiguous()
     return PackedWeight(weight.ggml_type, tiles, weight.shape)
+
+
+def pack_stacked(parts: list[QuantizedWeight]) -> PackedWeight | PackedStack:
+    """Row-stacked weights (q|k|v, gate|up) packed straight into one buffer, each part into its slice, so a
+    load copies each block once (not a concatenation of the blocks first and then a packing of that). One
+    format: a PackedWeight, whose tiles are the parts' tiles in order (every part but the last fills whole
+    tiles); several formats: a PackedStack. Same bytes as pack(QuantizedWeight.cat(parts)) / stack(...)."""
+    for part in parts:
+        _check_weight(part)
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("only weights of one width can be stacked")
+    one_format = len({p.ggml_type for p in parts}) == 1
+    lib = _library()
+    if lib is None or any(p.shape[0] % TILE_ROWS for p in parts[:-1]):
+        return pack(QuantizedWeight.cat(parts)) if one_format else stack([pack(p) for p in parts])
+    shapes = [_tiles_shape(p) for p in parts]
+    buffer = torch.empty(sum(r * c for r, c in shapes), dtype=torch.uint8)
+    views, start = [], 0
+    for part, (r, c) in zip(parts, shapes, strict=True):
+        views.append(_pack_into(lib, part, buffer[start:start + r * c].view(r, c)))
+        start += r * c
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    if one_format:
+        return PackedWeight(parts[0].ggml_type, buffer.view(-1, shapes[0][1]), shape)
+    return PackedStack(tuple(views), buffer, shape)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

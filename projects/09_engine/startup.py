@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     target_s = args.target_s or (10.0 if args.model is None else 5.0)
     ours = measure([sys.executable, "-m", "kernel_lab.cli", "generate", PROMPT, "--max-tokens", "8",
                     "--device", "cpu", *model_args], None, args.runs)
+    # What any PyTorch program pays before its first line: the part of the cold start the engine cannot cut.
+    torch_import = measure([sys.executable, "-c", "import torch; print('imported')"], None, args.runs)
     baselines = {}
     if args.model is None and Path(args.vllm_python).exists() and args.vllm_runs:
         model_dir = str(resolve_model_dir(None))
@@ -112,11 +114,15 @@ def main(argv=None) -> int:
         extra["weight_memory"] = weight_memory(args.model)
     record.add_case("kernel-lab generate, first token", shape={"prompt": PROMPT}, dtype="float32", timing=ours,
                     baselines=baselines, extra=extra)
+    record.add_case("python -c 'import torch' alone", shape={}, dtype="-", timing=torch_import,
+                    extra={"metric": {"unit": "ms", "value": torch_import.median_ms},
+                           "quantity": "the floor under any torch program's cold start on this machine"})
     line = (("" if args.model is None else f"{label}: ") +
             f"first token {ours.median_ms / 1e3:.1f} s after process start (median of {args.runs}; "
             f"target {target_s:g} s)")
     if "weight_memory" in extra:
         line += f"; resident weights {extra['weight_memory']['ratio']:.2f}x the file's tensor bytes"
+    line += f"; import torch alone {torch_import.median_ms / 1e3:.1f} s"
     for name, t in baselines.items():
         line += f"; {name}: {t.median_ms / 1e3:.1f} s"
     record.set_headline(line)

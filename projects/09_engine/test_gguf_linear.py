@@ -43,6 +43,7 @@ from kernel_lab.ops.gguf_linear import (
     gguf_linear_reference,
     kernel_isa,
     pack,
+    pack_stacked,
     quantize_activations,
     stack,
 )
@@ -290,6 +291,31 @@ def test_a_stack_of_formats_computes_each_part_into_its_columns(library):
     assert torch.equal(y, expected)
     with pytest.raises(ValueError, match="one width"):
         stack([pack(parts[0]), pack(random_weight("Q6_K", 8, 256, seed))])
+
+
+@pytest.mark.parametrize("formats, rows", [
+    (("Q4_K", "Q4_K", "Q4_K"), (24, 8, 13)),       # one format, whole tiles but the last: packed in place
+    (("Q4_K", "Q4_K", "Q6_K"), (24, 16, 13)),      # Q4_K_M's q|k|v: a PackedStack, packed in place
+    (("Q8_0", "Q8_0"), (13, 8)),                   # a part that ends mid-tile: the concatenating fallback
+    (("Q4_0", "Q6_K"), (5, 8)),
+])
+def test_stacked_packing_into_one_buffer_has_the_bytes_of_packing_the_concatenation(library, formats, rows):
+    """pack_stacked (each part packed straight into its slice of one buffer, as a load does) gives the same
+    bytes and outputs as concatenating the blocks and packing that (one format) or stacking each part's
+    packing (several)."""
+    seed = case_seed("gguf-pack-stacked", *formats, *rows)
+    k = 512
+    parts = [random_weight(fmt, n, k, seed + i) for i, (fmt, n) in enumerate(zip(formats, rows, strict=True))]
+    packed = pack_stacked(parts)
+    if len(set(formats)) == 1:
+        expected = pack(QuantizedWeight.cat(parts))
+        assert packed.ggml_type == expected.ggml_type and packed.shape == expected.shape
+    else:
+        expected = stack([pack(p) for p in parts])
+        assert packed.format == expected.format and [p.shape for p in packed.parts] == [p.shape for p in parts]
+    assert torch.equal(packed.tiles, expected.tiles)
+    x = random_x(3, k, seed + 9)
+    assert torch.equal(gguf_linear(x, packed, out=poison(torch.empty(3, sum(rows)))), gguf_linear(x, expected))
 
 
 def test_block_decoding_matches_the_gguf_package():

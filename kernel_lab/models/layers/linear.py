@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernel_lab.ops.gguf_linear import PackedWeight, QuantizedWeight, dequantize_rows, gguf_linear, pack, stack
+from kernel_lab.ops.gguf_linear import PackedWeight, QuantizedWeight, dequantize_rows, gguf_linear, pack, pack_stacked
 
 
 def param(t: torch.Tensor) -> nn.Parameter:
@@ -88,10 +88,8 @@ class Embedding(nn.Module):
 def linear_for(parts: list, bias: torch.Tensor | None = None) -> nn.Module:
     """One layer for the row-stacked `parts`: QuantizedLinear when all are GGUF blocks (of several formats: a
     PackedStack), else a float32 `Linear` (GGUF blocks mixed with float weights are dequantized)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.ggml_type for p in parts}) == 1:
-        return QuantizedLinear(QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0], bias)
     if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedLinear(stack([pack(p) for p in parts]), bias)
+        return QuantizedLinear(pack_stacked(parts) if len(parts) > 1 else parts[0], bias)
     dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
     return Linear(torch.cat(dense) if len(dense) > 1 else dense[0], bias)
 
