@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from kernel_lab.bench.throughput import DEFAULT_LLAMA_CPP_PYTHON, vllm_cpu_env  # noqa: E402
 from kernel_lab.harness.bench import Timing, summarize  # noqa: E402
-from kernel_lab.harness.results import ResultRecord  # noqa: E402
+from kernel_lab.harness.results import ResultRecord, slug  # noqa: E402
 from kernel_lab.harness.roofline import measure_read_bandwidth  # noqa: E402
 from kernel_lab.models.config import ModelConfig  # noqa: E402
 from kernel_lab.models.loader import load_config, resolve_model_dir  # noqa: E402
@@ -71,10 +71,6 @@ def model_label(model: str | None) -> str:
         return BUNDLED_LABEL
     path = Path(model)
     return f"{path.parent.name} {path.stem}" if path.is_file() else path.name
-
-
-def slug(label: str) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in label.lower()).strip("-")
 
 
 def bench(backend: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, out: Path,
