@@ -31,8 +31,8 @@ import torch
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, use_triton
 from .keyed_random import accept_uniform, race_exponentials
 from .sampling import _INT_DTYPES, _check_values, _per_row, _sanitize, rank_keys, sample
+from .speculative_kernel import MAX_DRAFT_TOKENS, rejection_triton
 
-MAX_DRAFT_TOKENS = 16
 RULES = ("rejection", "coupled")
 PLACEHOLDER = -1
 
@@ -246,8 +246,6 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     dtype = torch.float32 if triton_path else torch.float64
     p, q = _processed(target_logits, draft_logits, layout, temperature, top_k, top_p, min_p, dtype)
     if triton_path:
-        from .speculative_kernel import rejection_triton
-
         return rejection_triton(p, q, draft_token_ids, layout, seed)
     return rejection_reference(p, q, draft_token_ids, layout, seed)
 
