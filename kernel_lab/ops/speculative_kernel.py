@@ -104,7 +104,8 @@ def rejection_triton(p, q, draft_token_ids, layout, seed, out=None) -> torch.Ten
                                                                                          device=p.device)
     q = q if q.numel() else torch.zeros((1, vocab), dtype=torch.float32, device=p.device)
     _rejection_kernel[(layout.batch,)](p, q, vocab, drafts, layout.draft_start, seed.to(torch.int64).contiguous(),
-                                       out, layout.width, MAX_K=MAX_DRAFT_TOKENS, CHUNK=chunk, num_warps=_num_warps(chunk))
+                                       out, layout.width, MAX_K=MAX_DRAFT_TOKENS, CHUNK=chunk,
+                                       num_warps=_num_warps(chunk))
     return out
 
 
@@ -115,6 +116,8 @@ def compile_specs():
 
     signature = {"p_ptr": "*fp32", "q_ptr": "*fp32", "V": "i32", "draft_ptr": "*i64", "draft_start_ptr": "*i32",
                  "seed_ptr": "*i64", "out_ptr": "*i64", "WIDTH": "i32"}
+    # V is specialised as a multiple of 16 (real vocabularies are): the row offsets then allow 16-byte loads
     return [CompileSpec(name=f"rejection_chunk{c}", kernel=_rejection_kernel, signature=signature,
-                        constexprs={"MAX_K": MAX_DRAFT_TOKENS, "CHUNK": c}, num_warps=_num_warps(c), aligned=("p_ptr", "q_ptr", "V"))
+                        constexprs={"MAX_K": MAX_DRAFT_TOKENS, "CHUNK": c}, num_warps=_num_warps(c),
+                        aligned=("p_ptr", "q_ptr", "V"))
             for c in (chunk_for(131072), chunk_for(37))]
