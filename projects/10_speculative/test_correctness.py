@@ -230,6 +230,9 @@ def test_coupled_emits_the_non_speculative_tokens(device):
     op's), then ops.sample with the position's seed."""
     num_draft = [4, 2, 7, 3]
     target, draft, drafts, params, seeds = random_batch(num_draft, 61, case_seed("coupled"))
+    # A hot temperature and a high min_p: the min_p floor (max + T ln min_p) decides many draws.
+    params["temperature"] = torch.where(params["temperature"] > 0, 2.0, 0.0)
+    params["min_p"] = torch.full_like(params["min_p"], 0.3)
     per_row = torch.tensor([b for b, k in enumerate(num_draft) for _ in range(k + 1)])
     x = target.float().clone()
     engine_apply_min_p(x, params["min_p"][per_row], params["temperature"][per_row])
