@@ -30,7 +30,7 @@ import torch
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, use_triton
 from .keyed_random import accept_uniform, race_exponentials
-from .sampling import _INT_DTYPES, _check_values, _per_row, _sanitize, rank_keys, sample
+from .sampling import _INT_DTYPES, _check_values, _per_row, _sanitize, sample
 from .speculative_kernel import MAX_DRAFT_TOKENS, rejection_triton
 
 RULES = ("rejection", "coupled")
@@ -59,16 +59,17 @@ def speculative_probs(logits, temperature, top_k=None, top_p=None, min_p=None, d
     x = _sanitize(logits)
     if min_p is not None:
         x = apply_min_p(x, min_p, temperature)
-    keys = rank_keys(x)
-    best = torch.argmax(keys, dim=1)
+    best = torch.argmax(x, dim=1)  # the first index of the max
     greedy = ~(temperature > 0) | (x.max(dim=1).values == float("-inf"))
     temps = torch.where(greedy, 1.0, temperature.to(dtype))
     k_on = (top_k > 0) & (top_k < vocab) if top_k is not None else torch.zeros(rows, dtype=torch.bool,
                                                                                  device=x.device)
     p_on = top_p < 1.0 if top_p is not None else torch.zeros_like(k_on)
     if bool((k_on | p_on).any()):
-        order = torch.sort(keys, dim=1, descending=True).indices
-        xs = x.gather(1, order).to(dtype)
+        # a stable sort of the sanitised float32 logits is project 06's ranking: equal logits (and -0.0 with
+        # +0.0) keep index order
+        xs, order = torch.sort(x, dim=1, descending=True, stable=True)
+        xs = xs.to(dtype)
         e = torch.exp((xs - xs[:, :1]) / temps[:, None])
         rank = torch.arange(vocab, device=x.device)
         e = torch.where(~k_on[:, None] | (rank[None, :] < top_k[:, None]), e, 0.0)
