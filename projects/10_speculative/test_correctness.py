@@ -30,6 +30,7 @@ from kernel_lab.harness.env import interpreter_active
 from kernel_lab.harness.testing import case_seed, empty_poisoned
 from kernel_lab.ops import rejection_sample, sample
 from kernel_lab.ops.keyed_random import accept_uniform, race_exponentials
+from kernel_lab.ops.speculative_kernel import _accept_uniforms, _exponential_tile
 
 ALPHA = 1e-3
 NEG_INF = float("-inf")
@@ -96,8 +97,8 @@ def test_chi_square_pvalue_matches_tabulated_quantiles():
 def _stream_probe(seed_ptr, race_ptr, accept_ptr, V: tl.constexpr):
     r = tl.program_id(0)
     seed = tl.load(seed_ptr + r)
-    tl.store(race_ptr + r * V + tl.arange(0, V), spec_kernel._exponential_tile(seed, 0, V))
-    tl.store(accept_ptr + r + tl.arange(0, 1), spec_kernel._accept_uniforms(seed + tl.zeros([1], tl.int64)))
+    tl.store(race_ptr + r * V + tl.arange(0, V), _exponential_tile(seed, 0, V))
+    tl.store(accept_ptr + r + tl.arange(0, 1), _accept_uniforms(seed + tl.zeros([1], tl.int64)))
 
 
 def test_cpu_stream_is_the_kernels_philox(device):
