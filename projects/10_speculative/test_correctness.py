@@ -254,11 +254,25 @@ def test_coupled_emits_the_non_speculative_tokens(device):
     assert torch.equal((full >= 0).sum(dim=1), torch.tensor(num_draft) + 1)
 
 
-def test_without_draft_probabilities_both_rules_are_one_rule(device):
+def test_without_draft_probabilities_both_rules_are_the_non_speculative_draws(device):
+    """One-hot q (an n-gram proposer): the standard rule is the coupled rule, so under either name every
+    emitted token is ops.sample's draw at its position, and n-gram speculation reproduces plain decoding."""
     num_draft = [5, 1, 8]
     target, _, drafts, params, seeds = random_batch(num_draft, 43, case_seed("one-hot"))
-    outs = [run(target, None, drafts, num_draft, params, seeds, device, rule=rule) for rule in spec.RULES]
-    assert torch.equal(outs[0], outs[1])
+    params["min_p"] = torch.zeros_like(params["min_p"])
+    per_row = torch.tensor([b for b, k in enumerate(num_draft) for _ in range(k + 1)])
+    own = sample(target.to(device), params["temperature"][per_row].to(device), params["top_k"][per_row].to(device),
+                 params["top_p"][per_row].to(device), seed=seeds.to(device)).cpu()
+    starts = [sum(num_draft[:b]) + b for b in range(len(num_draft))]
+    drafts = own[[r for b, k in enumerate(num_draft) for r in range(starts[b], starts[b] + k)]].clone()
+    drafts[1] += 1  # sequence 0 rejects at its second draft
+    drafts[1] %= 43
+    for rule in spec.RULES:
+        out = run(target, None, drafts, num_draft, params, seeds, device, rule=rule).cpu()
+        for b in range(len(num_draft)):
+            emitted = out[b][out[b] >= 0]
+            assert torch.equal(emitted, own[starts[b]:starts[b] + emitted.numel()]), (rule, b)
+        assert (out >= 0).sum(dim=1).tolist() == [2, 2, 9], rule
 
 
 # --- distributions -------------------------------------------------------------------------------------
