@@ -35,7 +35,7 @@ MODAL_TIMEOUT_FACTOR = 10
 FULL_SWEEP_FACTOR = 8
 
 PROJECT_ORDER = ("04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe", "01_rmsnorm", "02_swiglu",
-                 "03_gemm", "08_vllm_plugin", "09_engine")
+                 "03_gemm", "08_vllm_plugin", "09_engine", "10_speculative")
 NEEDS_EXTENSION = {"04_paged_decode", "05_fp8_kv", "09_engine"}  # call the CUDA extension (kernel_lab/csrc)
 SETUP_CAPS = {"environment": 15, "build": 130}
 # Per project: gpu_checks.sh (extension load, two compute-sanitizer runs), pytest, benchmark --quick.
@@ -49,6 +49,7 @@ PROJECT_CAPS = {
     "03_gemm": {"pytest": 90, "benchmark": 60},  # cuBLAS ceilings, Triton configs compiled per shape
     "08_vllm_plugin": {"pytest": 30},  # skips at once without vLLM (the box has none)
     "09_engine": {"pytest": 60, "benchmark": 90},
+    "10_speculative": {"pytest": 20, "benchmark": 15},  # a small kernel: GPU tests compare two vocabularies
 }
 DEFAULT_CAPS = {"gpu_checks": 60, "pytest": 60, "benchmark": 60}  # a project not listed above
 

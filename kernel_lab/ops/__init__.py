@@ -7,6 +7,7 @@ from .moe import moe
 from .paged_attention import paged_decode_attention
 from .rmsnorm import fused_add_rms_norm, rms_norm
 from .sampling import sample, topk
+from .speculative import rejection_sample
 from .swiglu import gelu_and_mul, silu_and_mul
 from .token_bitmask import apply_token_bitmask
 
@@ -14,6 +15,6 @@ __all__ = [
     "rms_norm", "fused_add_rms_norm", "paged_decode_attention", "write_kv", "allocate_kv_cache",
     "silu_and_mul", "gelu_and_mul",
     "matmul",
-    "topk", "sample", "apply_token_bitmask",
+    "topk", "sample", "apply_token_bitmask", "rejection_sample",
     "moe",
 ]
