@@ -31,8 +31,10 @@ import triton.language as tl
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, interpreter_active, use_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-BLOCK_K = 64  # shrink's reduction tile over x's width
-BLOCK_N = 64  # expand's tile over one slice's output columns
+BLOCK_K = 64  # shrink's reduction tile over x's width (fp32: FP32_BLOCK_K, its IEEE dot holds operands in registers)
+FP32_BLOCK_K = 16
+BLOCK_N = 64  # expand's tile over one slice's output columns (fp32: FP32_BLOCK_N, for the same reason)
+FP32_BLOCK_N = 32
 
 
 # --------------------------------------------------------------------------------------------- row layouts
@@ -175,6 +177,18 @@ def _block_m(max_length: int) -> int:
     return 16 if max_length <= 16 else 64
 
 
+def _block_k(dtype: torch.dtype | str) -> int:
+    return FP32_BLOCK_K if dtype in (torch.float32, "fp32") else BLOCK_K
+
+
+def _block_n(dtype: torch.dtype | str) -> int:
+    return FP32_BLOCK_N if dtype in (torch.float32, "fp32") else BLOCK_N
+
+
+def _num_warps(block_m: int) -> int:
+    return 8 if block_m == 64 else 4
+
+
 def _kernel_flags(dtype: torch.dtype) -> dict:
     """bf16 dots are upcast under the interpreter (Triton 3.9 multiplies their raw bits); fp32 stays IEEE."""
     return {"UPCAST": dtype == torch.bfloat16 and interpreter_active(),
@@ -202,8 +216,8 @@ def _shrink_triton(x, lora_a, h, row_adapters, segments) -> None:
         return
     _lora_shrink_kernel[grid](
         x, lora_a, h, starts, lengths, adapters, K, R, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        lora_a.stride(2), h.stride(0), PER_ROW=per_row, BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=BLOCK_K,
-        **_kernel_flags(x.dtype), num_warps=4,
+        lora_a.stride(2), h.stride(0), PER_ROW=per_row, BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=_block_k(x.dtype),
+        **_kernel_flags(x.dtype), num_warps=_num_warps(block_m),
     )
 
 
@@ -211,7 +225,7 @@ def _expand_triton(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -
     starts, lengths, adapters, groups, max_length, per_row = _layout(y.shape[0], row_adapters, segments)
     R = lora_b.shape[2]
     widest = max(hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:]))
-    tiles = triton.cdiv(widest, BLOCK_N)
+    tiles = triton.cdiv(widest, _block_n(y.dtype))
     block_m = _block_m(max_length)
     if groups == 0 or max_length == 0:
         return
@@ -219,8 +233,8 @@ def _expand_triton(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -
     _lora_expand_kernel[grid](
         h, lora_b, y, scale, _offsets_tensor(tuple(slice_offsets), y.device), starts, lengths, adapters,
         R, tiles, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        PER_ROW=per_row, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(R), **_kernel_flags(y.dtype),
-        num_warps=4,
+        PER_ROW=per_row, BLOCK_M=block_m, BLOCK_N=_block_n(y.dtype), BLOCK_R=_block_r(R), **_kernel_flags(y.dtype),
+        num_warps=_num_warps(block_m),
     )
 
 
@@ -419,12 +433,12 @@ def bytes_moved(rows: int, segments: int, in_features: int, out_features: int, r
 
 # --------------------------------------------------------------------------------------------- AOT specs
 def compile_specs():
-    """Shrink and expand, both layouts, bf16 and fp16 at rank 16 (one K tile of 64) and 64, and fp32 (IEEE)."""
+    """Shrink and expand: BGMV in bf16 at rank 16 and fp16 at rank 64, SGMV (64-row blocks) in bf16 and fp32
+    (IEEE, the smaller tiles) at rank 64, the largest register footprint of each."""
     from kernel_lab.harness.compile import CompileSpec
 
     specs = []
-    for dtype, rank, per_row in (("bf16", 16, True), ("bf16", 64, False), ("fp16", 64, True), ("fp16", 16, False),
-                                 ("fp32", 16, True), ("fp32", 64, False)):
+    for dtype, rank, per_row in (("bf16", 16, True), ("bf16", 64, False), ("fp16", 64, True), ("fp32", 64, False)):
         ty = "*" + dtype
         layout = "bgmv" if per_row else "sgmv"
         block_m = 16 if per_row else 64
@@ -435,8 +449,9 @@ def compile_specs():
             signature={"x_ptr": ty, "a_ptr": ty, "h_ptr": "*fp32", **index, "K": "i32", "R": "i32",
                        "stride_xm": "i32", "stride_al": "i32", "stride_as": "i32", "stride_ar": "i32",
                        "stride_hm": "i32"},
-            constexprs={"PER_ROW": per_row, "BLOCK_M": block_m, "BLOCK_R": _block_r(rank), "BLOCK_K": BLOCK_K,
-                        "UPCAST": False, "PRECISION": precision},
+            constexprs={"PER_ROW": per_row, "BLOCK_M": block_m, "BLOCK_R": _block_r(rank),
+                        "BLOCK_K": _block_k(dtype), "UPCAST": False, "PRECISION": precision},
+            num_warps=_num_warps(block_m),
             aligned=("x_ptr", "a_ptr", "h_ptr", "K", "stride_xm", "stride_al", "stride_as", "stride_ar", "stride_hm"),
         ))
         specs.append(CompileSpec(
@@ -444,8 +459,9 @@ def compile_specs():
             signature={"h_ptr": "*fp32", "b_ptr": ty, "y_ptr": ty, "scale_ptr": "*fp32", "slice_offsets_ptr": "*i32",
                        **index, "R": "i32", "tiles_per_slice": "i32", "stride_hm": "i32", "stride_bl": "i32",
                        "stride_bn": "i32", "stride_ym": "i32"},
-            constexprs={"PER_ROW": per_row, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "BLOCK_R": _block_r(rank),
+            constexprs={"PER_ROW": per_row, "BLOCK_M": block_m, "BLOCK_N": _block_n(dtype), "BLOCK_R": _block_r(rank),
                         "UPCAST": False, "PRECISION": precision},
+            num_warps=_num_warps(block_m),
             aligned=("h_ptr", "b_ptr", "y_ptr", "stride_hm", "stride_bl", "stride_bn", "stride_ym"),
         ))
     return specs
