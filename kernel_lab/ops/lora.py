@@ -422,9 +422,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 # --------------------------------------------------------------------------------------------- traffic
 def bytes_moved(rows: int, segments: int, in_features: int, out_features: int, rank: int, num_slices: int,
                 element_size: int, op: str = "both") -> int:
-    """DRAM bytes of one call over `rows` adapted rows in `segments` segments (a row each in BGMV): x once;
-    each segment's A (S*R*K) and B (N*R) once; h written by shrink and read by expand in fp32; y read and
-    written by expand. op: "shrink", "expand" or "both"."""
+    """The fewest DRAM bytes of one call over `rows` adapted rows: x once; A (S*R*K) and B (N*R) once per
+    entry of `segments` (SGMV: its segments; BGMV: the distinct adapters in the batch, since each row's
+    program reads its adapter's weights and the repeats come from L2); h written by shrink and read by expand
+    in fp32; y read and written by expand. op: "shrink", "expand" or "both"."""
     h_bytes = rows * num_slices * rank * 4
     shrink = rows * in_features * element_size + segments * num_slices * rank * in_features * element_size + h_bytes
     expand = h_bytes + segments * out_features * rank * element_size + 2 * rows * out_features * element_size
