@@ -396,7 +396,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, scale: t
                 slice_offsets: Sequence[int], *, row_adapters: torch.Tensor | None = None,
                 segments: Segments | None = None, validate: bool | None = None) -> torch.Tensor:
     """y[:, off_s:off_{s+1}] += scale[adapter] * h[:, s*R:(s+1)*R] @ B[adapter, off_s:off_{s+1}]^T, in place,
-    for the adapted rows; returns y. slice_offsets: the host ints 0 = off_0 < ... < off_S = y's width."""
+    for the adapted rows; returns y. slice_offsets: the host ints 0 = off_0 < ... < off_S = y's width (their
+    device copy is cached per device: call once before capturing a CUDA graph)."""
     offsets = _check_expand(y, h, lora_b, scale, slice_offsets)
     _check_rows_or_segments("y", y, lora_b.shape[0], row_adapters, segments, validate)
     (_expand_triton if use_triton(y) else _expand_cpu)(y, h, lora_b, scale, offsets, row_adapters, segments)

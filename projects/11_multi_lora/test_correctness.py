@@ -29,9 +29,9 @@ WIDTHS = (20, 12, 12)  # q|k|v-like slices of y, none a power of two
 NUM_ADAPTERS = 5
 # BGMV: adapters 1 and 3 unused (gaps in the map), base rows (-1) between them
 ROW_ADAPTERS = [0, 2, -1, 4, 4, 0, -1, 2, 2, 0, 4, -1]
-# SGMV: (start, length, adapter): segments of length 1, adapter 2 in two segments, a base-model segment and
-# rows 7 and 12 in no segment at all
-SEGMENTS = [(0, 1, 4), (1, 3, 2), (4, 1, 0), (5, 2, -1), (8, 4, 2), (13, 2, 1)]
+# SGMV: (start, length, adapter): segments of length 1, adapter 2 in two segments, a base-model segment,
+# rows 7 and 12 in no segment at all, and the segments not listed in row order
+SEGMENTS = [(8, 4, 2), (0, 1, 4), (13, 2, 1), (4, 1, 0), (1, 3, 2), (5, 2, -1)]
 SEGMENT_ROWS = 15
 
 
@@ -152,6 +152,24 @@ def test_all_rows_on_one_adapter(path, layout, rows):
     expected = lora_reference(before, x, lora_a, lora_b, scale, offsets_of(WIDTHS), per_row)
     add_lora(y, x, lora_a, lora_b, scale, offsets_of(WIDTHS), **kwargs)
     check(y, before, expected, per_row.long(), dtype, f"{layout} rows={rows}")
+
+
+@pytest.mark.parametrize("layout", ["bgmv", "sgmv"])
+def test_int64_indices(path, layout):
+    seed = case_seed("int64", layout)
+    lora_a, lora_b, scale = make_weights(8, torch.float32, path, seed)
+    kwargs, per_row = make_layout(layout, path)
+    if layout == "bgmv":
+        kwargs = {"row_adapters": kwargs["row_adapters"].long()}
+    else:
+        seg = kwargs["segments"]
+        kwargs = {"segments": Segments(seg.starts.long(), seg.lengths.long(), seg.adapters.long(), seg.max_length)}
+    x = randn((per_row.shape[0], K), torch.float32, path, seed + 3)
+    y = base_output(per_row, sum(WIDTHS), torch.float32, path, seed + 4)
+    before = y.clone()
+    expected = lora_reference(before, x, lora_a, lora_b, scale, offsets_of(WIDTHS), per_row)
+    add_lora(y, x, lora_a, lora_b, scale, offsets_of(WIDTHS), **kwargs)
+    check(y, before, expected, per_row, torch.float32, f"int64 {layout}")
 
 
 def test_empty_batch_and_all_base_rows_leave_y_alone(path):
