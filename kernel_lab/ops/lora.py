@@ -414,7 +414,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
                          f"has shape {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
     if x.dim() == 2 and y.dim() == 2 and x.shape[0] != y.shape[0]:
         raise ValueError(f"y must have x's {x.shape[0]} rows, got shape {tuple(y.shape)}")
-    h = lora_shrink(x, lora_a, row_adapters=row_adapters, segments=segments, validate=validate)
+    if lora_a.dim() == 4 and x.dim() == 2:  # expand reads only the rows shrink writes: no zero fill needed
+        out = torch.empty((x.shape[0], lora_a.shape[1] * lora_a.shape[2]), dtype=torch.float32, device=x.device)
+    else:
+        out = None  # lora_shrink names the bad argument
+    h = lora_shrink(x, lora_a, row_adapters=row_adapters, segments=segments, out=out, validate=validate)
     # shrink checked the layout's values against the same rows and adapters
     return lora_expand(y, h, lora_b, scale, slice_offsets, row_adapters=row_adapters, segments=segments,
                        validate=False)
