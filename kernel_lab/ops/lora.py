@@ -196,7 +196,8 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
 
 
 def _layout(rows: int, row_adapters, segments):
-    """(starts, lengths, adapters, programs along the segment axis, max rows per program, per-row layout)."""
+    """(starts, lengths, adapters, programs along the segment axis, max rows per program, per-row layout).
+    BGMV's kernels never read the start and length pointers, so row_adapters stands in for them."""
     if row_adapters is not None:
         return row_adapters, row_adapters, row_adapters, rows, 1, True
     return segments.starts, segments.lengths, segments.adapters, segments.adapters.shape[0], segments.max_length, False
@@ -239,7 +240,7 @@ def _expand_triton(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -
 
 
 # --------------------------------------------------------------------------------------------- CPU path
-def _cpu_groups(rows: int, row_adapters, segments):
+def _cpu_groups(row_adapters, segments):
     """(adapter, rows) pairs for the adapted rows: a slice per SGMV segment, an index per adapter in BGMV."""
     if segments is not None:
         for start, length, adapter in zip(segments.starts.tolist(), segments.lengths.tolist(),
@@ -255,13 +256,13 @@ def _cpu_groups(rows: int, row_adapters, segments):
 
 def _shrink_cpu(x, lora_a, h, row_adapters, segments) -> None:
     L, S, R, K = lora_a.shape
-    for adapter, rows in _cpu_groups(x.shape[0], row_adapters, segments):
+    for adapter, rows in _cpu_groups(row_adapters, segments):
         h[rows] = x[rows].float() @ lora_a[adapter].reshape(S * R, K).float().t()
 
 
 def _expand_cpu(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -> None:
     R = lora_b.shape[2]
-    for adapter, rows in _cpu_groups(y.shape[0], row_adapters, segments):
+    for adapter, rows in _cpu_groups(row_adapters, segments):
         hs = h[rows].float() * float(scale[adapter])
         for s, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
             delta = hs[:, s * R:(s + 1) * R] @ lora_b[adapter, lo:hi].float().t()
