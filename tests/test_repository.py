@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECTS = ["01_rmsnorm", "02_swiglu", "03_gemm", "04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe",
-            "08_vllm_plugin", "09_engine", "10_speculative"]
+            "08_vllm_plugin", "09_engine", "10_speculative", "11_multi_lora"]
 
 
 def run(*args, **kw):

@@ -35,7 +35,7 @@ MODAL_TIMEOUT_FACTOR = 10
 FULL_SWEEP_FACTOR = 8
 
 PROJECT_ORDER = ("04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe", "01_rmsnorm", "02_swiglu",
-                 "03_gemm", "08_vllm_plugin", "09_engine", "10_speculative")
+                 "03_gemm", "08_vllm_plugin", "09_engine", "10_speculative", "11_multi_lora")
 NEEDS_EXTENSION = {"04_paged_decode", "05_fp8_kv", "09_engine"}  # call the CUDA extension (kernel_lab/csrc)
 SETUP_CAPS = {"environment": 15, "build": 130}
 # Per project: gpu_checks.sh (extension load, two compute-sanitizer runs), pytest, benchmark --quick.

@@ -234,7 +234,7 @@ def load_records(results_dir: Path) -> list[tuple[Path, dict]]:
 
 PROJECTS = [
     "01_rmsnorm", "02_swiglu", "03_gemm", "04_paged_decode", "05_fp8_kv", "06_topk_sampling", "07_moe",
-    "08_vllm_plugin", "09_engine", "10_speculative",
+    "08_vllm_plugin", "09_engine", "10_speculative", "11_multi_lora",
 ]
 
 
