@@ -253,9 +253,6 @@ class StructuredOutputManager:
         if request in self.waiting:
             self.waiting.remove(request)
 
-    def num_waiting_seqs(self) -> int:
-        return sum(r.params.n for r in self.waiting)
-
     def take_compiled(self) -> tuple[list, list]:
         """(ready, failed): the waiting requests whose grammar compiled, each sequence given its matcher, and
         those whose grammar failed, with `request.error` set. Both leave the waiting list."""

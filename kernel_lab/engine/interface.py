@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 class EngineStats(TypedDict):
     """`stats()`: the scheduler's and the KV pool's state, and counters since start."""
 
-    num_running: int
-    num_waiting: int
+    num_running: int                   # requests (not sequences) with a sequence in the running batch
+    num_waiting: int                   # the other unfinished requests (queued, preempted, or compiling)
     kv_cache_blocks_total: int
     kv_cache_blocks_free: int
     prefix_cache_queries: int          # tokens looked up in the prefix cache

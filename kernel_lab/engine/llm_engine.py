@@ -126,9 +126,9 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + self.structured_outputs.num_waiting_seqs(),
+            num_running=running, num_waiting=len(self.requests) - running,
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
