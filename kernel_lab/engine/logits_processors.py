@@ -87,8 +87,8 @@ def _token_id(name: str, token, vocab_size: int | None) -> int:
             raise RequestFieldError(name, f"{name} keys must be token ids, got {token!r}") from None
     if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
             (vocab_size is not None and token >= vocab_size):
-        bound = "" if vocab_size is None else f" in [0, {vocab_size})"
-        raise RequestFieldError(name, f"{name} token ids must be integers{bound or ' >= 0'}, got {token!r}")
+        bound = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
+        raise RequestFieldError(name, f"{name} token ids must be integers {bound}, got {token!r}")
     return token
 
 
