@@ -88,3 +88,17 @@ def test_a_fault_in_one_running_request_is_a_500_for_it_alone(live_server, fault
     assert HTTP.get(live_server.url + "/health").json() == {"status": "ok"}
     stats = live_server.wait_idle(30)
     assert stats["kv_cache_blocks_free"] == stats["kv_cache_blocks_total"]
+
+
+def test_a_fault_of_the_whole_step_still_fails_everything_and_health_says_so(fake_server, monkeypatch):
+    server = fake_server()
+
+    def broken_step():
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(server.engine, "step", broken_step)
+    rsp = _completion(server, {"prompt": "Hello", "max_tokens": 3})
+    assert rsp.status_code == 500 and rsp.json()["error"]["code"] == "engine_dead", rsp.text
+    health = HTTP.get(server.url + "/health")
+    assert health.status_code == 500 and "the device fell over" in health.json()["error"]
+    assert _completion(server, {"prompt": "Hello", "max_tokens": 3}).status_code == 500
