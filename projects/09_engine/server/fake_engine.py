@@ -20,6 +20,7 @@ import zlib
 from dataclasses import dataclass
 
 from kernel_lab.engine.block_manager import blocks_needed
+from kernel_lab.engine.errors import RequestFieldError
 from kernel_lab.engine.interface import EngineStats
 from kernel_lab.engine.output_processor import OutputProcessor
 from kernel_lab.engine.outputs import RequestOutput
@@ -136,16 +137,13 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: the fake engine has no model to score prompts with")
+            raise RequestFieldError("prompt_logprobs", "the fake engine has no model to score prompts with")
         if request_id in self.ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
-        if any(not 0 <= t < VOCAB_SIZE for t in ids):
-            raise ValueError("prompt token id out of range")
+            raise RequestFieldError("prompt", "prompt must not be empty")
+        params.verify(VOCAB_SIZE, self.config.max_model_len, ids)   # the engine's one check
         self.ids.add(request_id)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival=0)
         self.output_processor.add_request(request)
