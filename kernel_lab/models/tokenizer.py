@@ -274,6 +274,19 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     # -------------------------------------------------------------------------------------------- chat
+    def set_chat_template(self, source: str) -> None:
+        """Use `source` (Jinja text) in place of the model's template. Compiled now, so a template that
+        does not parse fails here (ValueError) rather than on the first chat."""
+        import jinja2
+
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError("chat template must be non-empty Jinja text")
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not parse: {exc} (line {exc.lineno})") from exc
+        self.chat_template_source, self._chat_template = source, compiled
+
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template_source:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
