@@ -348,7 +348,7 @@ TOOLS = [
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_calls_always_parse_and_satisfy_their_schemas(tokenizer, service, reference_only, tool_choice):
     jsonschema = pytest.importorskip("jsonschema")
-    from kernel_lab.engine.tool_calls import ForcedToolCallStream, forced_tool_calls, tool_choice_spec
+    from kernel_lab.engine.tool_calls import ForcedToolParser, tool_choice_spec
 
     spec = tool_choice_spec(TOOLS, tool_choice)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -356,12 +356,12 @@ def test_forced_tool_calls_always_parse_and_satisfy_their_schemas(tokenizer, ser
     for seed in range(8):
         ids = constrained_sample(service, spec, seed, max_tokens=600)
         text = tokenizer.decode(ids, skip_special_tokens=False)
-        calls = forced_tool_calls(text, tool_choice)
+        _, calls = ForcedToolParser(tool_choice).parse(text)
         assert calls
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
             names.add(call["function"]["name"])
-        stream, pieces = ForcedToolCallStream(tool_choice), []
+        stream, pieces = ForcedToolParser(tool_choice), []
         for k in range(1, len(ids) + 1):  # the text deltas a streaming detokenizer sends
             pieces.append(tokenizer.decode(ids[:k], skip_special_tokens=False)[len("".join(pieces)):])
         streamed = [d for piece in pieces for d in stream.feed(piece)] + stream.finish()
