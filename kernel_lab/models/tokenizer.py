@@ -23,6 +23,7 @@ and streaming detokenisation.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -270,6 +271,15 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the longest vocabulary entry. Byte-level entries hold
+        one character per byte, so a token decodes to at most that many characters, and a text of C
+        characters has at least C / max_token_chars tokens (the server bounds prompts with it before
+        tokenizing them). That holds while no normalizer deletes characters: byte-level BPE has none, and
+        the SentencePiece one here only prepends and replaces spaces one for one."""
+        return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True))))
+
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
@@ -341,6 +351,7 @@ class TokenIdsOnly:
     """The tokenizer of a random-weight model: prompts are token ids and nothing is detokenised."""
 
     chat_template_source = None
+    max_token_chars = 1         # encode refuses every text anyway
     all_special_ids: set[int] = set()
     has_vocabulary = False      # no token texts: no grammar can be compiled against it
 

@@ -26,6 +26,7 @@ from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
 from kernel_lab.engine.structured_output import StructuredOutputSpec, parse_structured_output
 
 from .async_engine import AsyncEngine, EngineDead, EngineNotReady, QueueFull, RequestRejected, RequestStream
+from .preparation import PreparationPool
 from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error, param_named
 
 log = logging.getLogger("kernel_lab.server")
@@ -52,8 +53,9 @@ class Job:
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str | None = None,
-                 model_path: str | None = None):
+                 model_path: str | None = None, preparation: PreparationPool | None = None):
         self.async_engine = async_engine
+        self.preparation = preparation or PreparationPool()  # the app shares one between its endpoints
         self._served_name = served_model_name
         self.model_path = model_path
         self.created = int(time.time())
@@ -91,9 +93,28 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     # ---------------------------------------------------------------- request building
-    def tokenize(self, text: str, param: str) -> list[int]:
+    @property
+    def prompt_char_limit(self) -> int:
+        """The most characters a prompt can have and still fit max_model_len tokens (see
+        Tokenizer.max_token_chars: a text of C characters has at least C / max_token_chars tokens)."""
+        return self.max_model_len * self.tokenizer.max_token_chars
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Before tokenizing (on the loop, it costs nothing): a text that cannot fit is refused without
+        paying for its tokenization (a 10 MB prompt takes about 20 s)."""
+        if chars > self.prompt_char_limit:
+            raise bad_request(f"{param} has {chars} characters; at most {self.prompt_char_limit} can fit this "
+                              f"model's maximum context length of {self.max_model_len} tokens (a token stands "
+                              f"for at most {self.tokenizer.max_token_chars} characters)", param)
+
+    async def prepare(self, fn, *args):
+        """fn(*args) (tokenizing, rendering a template) on the preparation pool, off the event loop."""
+        return await self.preparation.run(fn, *args)
+
+    def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """On the preparation pool (see prepare); check_prompt_chars first."""
         try:
-            return list(self.tokenizer.encode(text))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer rejects is the client's error
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 

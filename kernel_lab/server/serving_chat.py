@@ -27,7 +27,8 @@ class ChatServing(OpenAIServing):
         self.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        ids = self._render(body)
+        self.check_prompt_chars(message_chars(body.messages), "messages")
+        ids = await self.prepare(self._render, body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(len(ids), requested, None, param, prompt_param="messages")
@@ -86,8 +87,7 @@ class ChatServing(OpenAIServing):
         return {"role": "assistant", "content": out.text}, out.finish_reason
 
     def _render(self, body: ChatCompletionRequest) -> list[int]:
-        tools = body.tools if body.tool_choice != "none" else None
-        return render_messages(self.tokenizer, body.messages, tools, body.chat_template_kwargs)
+        return render_messages(self.tokenizer, body.messages, _rendered_tools(body), body.chat_template_kwargs)
 
     def _stream(self, body: ChatCompletionRequest, jobs: list[Job], request_id: str, forced: bool = False):
         top = body.top_logprobs or 0
@@ -109,6 +109,18 @@ class ChatServing(OpenAIServing):
             return result
 
         return self.stream(body, jobs, request_id, "chat.completion.chunk", roles, choice)
+
+
+def _rendered_tools(body: ChatCompletionRequest) -> list | None:
+    """The tools the template sees: none with tool_choice "none"."""
+    return body.tools if body.tool_choice != "none" else None
+
+
+def message_chars(messages) -> int:
+    """The characters of the messages' contents: every template renders them (their tokens are at least
+    these characters over Tokenizer.max_token_chars). Tools and tool calls are not counted: a template
+    may leave them out, and protocol.py bounds their size."""
+    return sum(len(m.text()) for m in messages)
 
 
 def render_messages(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=True) -> list[int]:

@@ -37,6 +37,7 @@ class FakeTokenizer:
     eos_token_ids = {EOS}
     has_vocabulary = True
     vocab_size = VOCAB_SIZE
+    max_token_chars = 1  # one character per token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [

@@ -367,6 +367,19 @@ def test_a_forced_call_cut_before_its_json_ends_is_content_streamed_and_whole(li
     live_server.wait_idle(30)
 
 
+def test_a_10_mb_prompt_is_a_400_and_health_answers_meanwhile(live_server):
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, live_server.url + "/v1/completions", headers=headers, timeout=60,
+                              json={"prompt": "hello world " * 900_000, "max_tokens": 2})
+        while not pending.done():
+            start = time.perf_counter()
+            assert httpx.get(live_server.url + "/health").status_code == 200
+            assert time.perf_counter() - start < 2.0
+        response = pending.result()
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+
+
 def test_echo_scoring_returns_a_logprob_for_every_prompt_token_after_the_first(live_server, client, model):
     prompt = "The capital of France is Paris."
     scored = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
