@@ -35,6 +35,7 @@ class ServedModel(Protocol):
 
     model_name: str
     max_model_len: int
+    sampling_defaults: dict            # request defaults from generation_config.json (generation_defaults.py)
 
     @property
     def vocab_size(self) -> int: ...

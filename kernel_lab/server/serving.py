@@ -123,8 +123,21 @@ class OpenAIServing:
         if any(t >= vocab for t in ids):
             raise bad_request(f"{param} holds a token id outside the vocabulary (size {vocab})", param)
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json values (--generation-config auto), for fields a request omits."""
+        return self.engine.config.sampling_defaults
+
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
                    prompt_param: str = "prompt") -> int:
+        """The completion's length: the request's, else `default`, else the room left; never past the
+        model's max_new_tokens (vLLM caps even a request's own max_tokens with it)."""
+        chosen = self._max_tokens(prompt_len, requested, default, param, prompt_param)
+        cap = self.sampling_defaults.get("max_tokens")
+        return chosen if cap is None else min(chosen, cap)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
+                    prompt_param: str) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
@@ -145,11 +158,20 @@ class OpenAIServing:
         try:
             if structured is None:
                 structured = parse_structured_output(body.model_dump(exclude_none=True))
+            defaults = self.sampling_defaults
             controls = {name: getattr(body, name) for name in _CONTROLS if getattr(body, name) is not None}
+            for name in ("repetition_penalty", "min_p"):
+                if name not in controls and name in defaults:
+                    controls[name] = defaults[name]
+
+            def chosen(name: str, neutral):
+                value = getattr(body, name)
+                return value if value is not None else defaults.get(name, neutral)
+
             params = SamplingParams(
-                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
-                seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                n=body.n, temperature=chosen("temperature", 1.0), top_p=chosen("top_p", 1.0),
+                top_k=chosen("top_k", 0), seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
