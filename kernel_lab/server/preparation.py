@@ -1,11 +1,13 @@
 """Request preparation off the event loop: tokenizing prompts and rendering chat templates run on a small
 thread pool, so `/health`, `/metrics` and every open stream keep answering while a large request is
-prepared (a 160k-character prompt takes about 0.3 s to tokenize on one core; the loop must not wait for it).
+prepared. Grammars compile on the grammar service's own threads (cached by their spec); a request waiting
+for one holds a slot here too.
 
-The pool is bounded twice: `max_workers` threads, and at most `max_pending` jobs admitted (running or
-queued). A request beyond that is refused at once with 429 and Retry-After instead of being queued, so a
-flood of large requests cannot pile up in the queue. A slot is freed when its job ends, not when its client
-goes away: an abandoned job still holds a thread until it finishes, and the bound counts it.
+The pool is bounded twice: `max_workers` threads, and at most `max_pending` jobs admitted (running, queued,
+or a compile being waited for). A request beyond that is refused at once with 429 and Retry-After instead of
+being queued, so a flood of large requests cannot pile up. A slot is freed when its job ends: a queued job
+whose client went away is dropped, a running one keeps its thread and its slot until it finishes, and a
+grammar compile is never cancelled (other requests may share its cached result).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from .protocol import APIError
@@ -32,14 +34,26 @@ class PreparationPool:
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on a worker thread; its exception (an APIError for the client's input) is raised here."""
-        if not self._slots.acquire(blocking=False):
-            raise APIError(429, f"{self.max_pending} requests are already being tokenized; retry after 1 s",
-                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self._admit()
         try:
             future = self._pool.submit(fn, *args)
         except BaseException:
             self._slots.release()
             raise
+        return await self._held_until_done(future)
+
+    async def wait(self, future: Future[T]) -> T:
+        """Wait for work another pool does for a request (a grammar compile), holding a slot of this one
+        until it is done, so the bound covers every kind of preparation."""
+        self._admit()
+        return await asyncio.shield(self._held_until_done(future))
+
+    def _admit(self) -> None:
+        if not self._slots.acquire(blocking=False):
+            raise APIError(429, f"{self.max_pending} requests are already being prepared; retry after 1 s",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    async def _held_until_done(self, future: Future[T]) -> T:
         future.add_done_callback(lambda _: self._slots.release())
         return await asyncio.wrap_future(future)
 

@@ -101,7 +101,7 @@ class OpenAIServing:
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Before tokenizing (on the loop, it costs nothing): a text that cannot fit is refused without
-        paying for its tokenization (a 10 MB prompt takes about 20 s)."""
+        paying for its tokenization, which grows with the text."""
         if chars > self.prompt_char_limit:
             raise bad_request(f"{param} has {chars} characters; at most {self.prompt_char_limit} can fit this "
                               f"model's maximum context length of {self.max_model_len} tokens (a token stands "
@@ -192,9 +192,8 @@ class OpenAIServing:
         service = await loop.run_in_executor(None, lambda: self.engine.grammar_service)  # built on first use
         if service is None:
             raise bad_request("this engine has no grammar engine for structured outputs", spec.param)
-        future = service.submit(spec)
         try:
-            await asyncio.wrap_future(future)
+            await self.preparation.wait(service.submit(spec))
         except GrammarCompileError as exc:
             raise bad_request(str(exc), spec.param) from exc
 

@@ -130,3 +130,27 @@ def test_tools_and_schemas_are_bounded_in_count_and_size(fake_server, body, para
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     tools = HTTP.post(server.url + "/tokenize", json={"messages": MSG, "tools": [TOOL] * (MAX_TOOLS + 1)})
     assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+
+
+def test_a_grammar_wait_holds_a_slot_and_never_cancels_the_shared_compile():
+    from concurrent.futures import Future
+
+    pool = PreparationPool(max_workers=1, max_pending=1)
+    compile_result: Future = Future()  # the grammar service's cached future, shared by every request
+
+    async def scenario():
+        waiting = asyncio.ensure_future(pool.wait(compile_result))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError):
+            await pool.run(lambda: "refused")  # the wait counts against the bound
+        waiting.cancel()  # its client went away
+        await asyncio.sleep(0.05)
+        assert not compile_result.cancelled()
+        compile_result.set_result("grammar")
+        await asyncio.sleep(0.05)
+        return await pool.wait(compile_result)
+
+    try:
+        assert asyncio.run(scenario()) == "grammar"
+    finally:
+        pool.shutdown()
