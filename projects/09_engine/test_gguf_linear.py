@@ -184,7 +184,8 @@ def _isa_expected(flags: str) -> str:
 
 
 # Narrower builds of the same source, each a path some CPU takes: (flags after -march=native, the path).
-VARIANTS = [(("-mno-avx512f",), None), (("-mno-avx512f", "-mno-avxvnni"), "avx2"), (("-mno-avx",), "scalar")]
+# The avx2 and scalar ones are the builds KERNEL_LAB_CPU_ISA selects for the engine (test_cpu_isa.py).
+VARIANTS = [(("-mno-avx512f",), None), (cpu_kernels.ISA_FLAGS["avx2"], "avx2"), (cpu_kernels.ISA_FLAGS["scalar"], "scalar")]
 
 
 @pytest.mark.parametrize("extra_flags,expected", VARIANTS, ids=["no-avx512", "no-vnni", "scalar"])
