@@ -33,12 +33,19 @@ def summary(backend, c, t, n, tok_s, input_len=16, output_len=8):
            "elapsed_time": n * output_len / tok_s}
     if backend == "kernel-lab":
         out["engine_stats"] = {"weights": "quantized", "weight_bytes": WEIGHT_BYTES}
-    if backend == "llama.cpp":
+    if backend in ("llama.cpp", "llama.cpp-runner"):  # the runner's backend in `bench throughput` is llama.cpp
         out["llama_cpp"] = {"version": "0.3.36", "system_info": "CPU : AVX2 = 1 |", "gguf": "/x/model.gguf"}
     return out
 
 
 SPEEDS = {"kernel-lab": 30.0, "transformers": 10.0, "llama.cpp": 40.0}
+RUNNER = cpu_throughput.BASELINES["llama.cpp-runner"]
+
+
+@pytest.fixture(autouse=True)
+def no_llama_cpp_tools(monkeypatch, tmp_path):
+    """No built llama.cpp tools unless a test fakes them (a checkout's own build must not run here)."""
+    monkeypatch.setattr(cpu_throughput.llama_cpp_tools, "TOOLS_ROOT", tmp_path / "no-llama-cpp-tools")
 
 
 def write_raw(out: Path, concurrency=(1, 4), threads=(1, 2), backends=("kernel-lab", "transformers", "llama.cpp")):
@@ -55,7 +62,7 @@ def test_record_from_raw_outputs(tmp_path, capsys):
     write_raw(tmp_path)
     cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "1", "2",
                          "--num-prompts", "6", "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8",
-                         "--backends", "transformers", "llama.cpp", "--repeats", "1"])
+                         "--backends", "transformers", "llama.cpp-runner", "--repeats", "1"])
     paths = list((tmp_path / "09_engine").glob("cpu-throughput-*.json"))
     assert len(paths) == 1
     record = json.loads(paths[0].read_text())
@@ -66,16 +73,18 @@ def test_record_from_raw_outputs(tmp_path, capsys):
     for (c, t), case in cases.items():
         assert case["metric"] == {"unit": "tok/s", "value": pytest.approx(30.0 * c * t)}
         assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(10.0 * c * t),
-                                                 "llama.cpp": pytest.approx(40.0 * c * t)}
-        assert case["ratio"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
-        assert case["speedup"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
+                                                 RUNNER: pytest.approx(40.0 * c * t)}
+        assert case["ratio"] == {"transformers generate": pytest.approx(3.0), RUNNER: pytest.approx(0.75)}
+        assert case["speedup"] == {"transformers generate": pytest.approx(3.0), RUNNER: pytest.approx(0.75)}
         bound = c * COPY_GBPS * 1e9 / WEIGHT_BYTES
         assert case["ceiling_tok_s"] == pytest.approx(bound)
         assert case["percent_of_ceiling"] == pytest.approx(100 * 30.0 * c * t / bound)
         assert case["weights"] == "quantized"
         assert case["llama_cpp"]["version"] == "0.3.36"
+        assert case["llama_cpp_runner_case"] == cpu_throughput.RUNNER_CASE and "llama_cpp_tool" not in case
         assert case["shape"]["num_prompts"] == (2 if c == 1 else 6)
-    assert "c4 t2: 3.00x transformers generate, 0.75x llama.cpp" in record["headline"]["text"]
+    assert f"c4 t2: 3.00x transformers generate, 0.75x {RUNNER}" in record["headline"]["text"]
+    assert record["isa"] == {"kernel_lab_cpu_isa": "native", "llama_cpp_build": "native", "emulated": False}
     # The rendered RESULTS.md section picks the record up.
     assert "CPU throughput vs transformers, vLLM CPU and llama.cpp" in results.render(tmp_path)
 
@@ -91,8 +100,8 @@ def test_reuse_refuses_raw_output_of_another_run(tmp_path):
 
 
 def test_repeated_pair_takes_each_backends_median_run(tmp_path):
-    """kernel-lab and llama.cpp run three times per point: the record holds every run's wall time and each
-    backend's median run; the once-run baselines keep their single run."""
+    """kernel-lab and llama.cpp's runner run three times per point: the record holds every run's wall time
+    and each backend's median run; the once-run baselines keep their single run."""
     write_raw(tmp_path, concurrency=(4,), threads=(2,))
     raw = tmp_path / "09_engine" / "raw"
     for backend, speeds in (("kernel-lab", (20.0, 40.0)), ("llama.cpp", (50.0, 10.0))):
@@ -100,18 +109,18 @@ def test_repeated_pair_takes_each_backends_median_run(tmp_path):
             (raw / cpu_throughput.raw_name(backend, 4, 2, r)).write_text(json.dumps(summary(backend, 4, 2, 6, tok_s)))
     cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "4", "--threads", "2",
                          "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
-                         "--backends", "transformers", "llama.cpp"])
+                         "--backends", "transformers", "llama.cpp-runner"])
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
     (case,) = record["cases"]
     # runs: kernel-lab 240, 20, 40 tok/s (median 40); llama.cpp 320, 50, 10 (median 50); transformers 80 once
     assert case["metric"]["value"] == pytest.approx(40.0)
     assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(80.0),
-                                             "llama.cpp": pytest.approx(50.0)}
-    assert case["ratio"]["llama.cpp"] == pytest.approx(0.8)
+                                             RUNNER: pytest.approx(50.0)}
+    assert case["ratio"][RUNNER] == pytest.approx(0.8)
     elapsed_ms = sorted(6 * 8 / v * 1e3 for v in (240.0, 20.0, 40.0))
     assert case["timing"]["samples"] == 3 and case["timing"]["min_ms"] == pytest.approx(elapsed_ms[0])
     assert case["timing"]["median_ms"] == pytest.approx(elapsed_ms[1])
-    assert case["baselines"]["llama.cpp"]["timing"]["samples"] == 3
+    assert case["baselines"][RUNNER]["timing"]["samples"] == 3
     assert case["baselines"]["transformers generate"]["timing"]["samples"] == 1
 
 
@@ -133,8 +142,11 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     fake_python.write_text("")
     cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
                          "--input-len", "16", "--output-len", "8", "--vllm-python", str(tmp_path / "absent"),
-                         "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64"])
-    assert "skipping vllm" in capsys.readouterr().out
+                         "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64",
+                         "--backends", "transformers", "vllm", "llama.cpp", "llama.cpp-runner", "kernel-lab-fp32"])
+    printed = capsys.readouterr().out
+    assert "skipping vllm" in printed
+    assert "skipping llama.cpp: no native build of llama.cpp's tools" in printed and "make llama-cpp-env" in printed
     names = [Path(cmd[cmd.index("--output-json") + 1]).name for cmd, _ in commands]
     assert names == ["kernel-lab-c4-t2.json", "transformers-c4-t2.json", "llama.cpp-c4-t2.json",
                      "kernel-lab-fp32-c4-t2.json", "kernel-lab-c4-t2-r1.json", "llama.cpp-c4-t2-r1.json",
@@ -151,7 +163,7 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     assert llama[llama.index("--llama-cpp-python") + 1] == str(fake_python)
     assert "--max-num-batched-tokens" not in llama
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
-    assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp", "kernel-lab, float32 weights"}
+    assert set(record["cases"][0]["baselines"]) == {"transformers generate", RUNNER, "kernel-lab, float32 weights"}
 
 
 def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypatch):
@@ -188,7 +200,7 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     fake_python.write_text("")
     cpu_throughput.main(["--model", str(model), "--out", str(tmp_path), "--concurrency", "1", "--threads", "2",
                          "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "1",
-                         "--backends", "llama.cpp", "--llama-cpp-python", str(fake_python),
+                         "--backends", "llama.cpp-runner", "--llama-cpp-python", str(fake_python),
                          "--prompt-throughput", "512", "--num-prompts-pp", "3"])
     assert all(cmd[cmd.index("--model") + 1] == str(model) for cmd in commands) and len(commands) == 4
     raw = tmp_path / "09_engine" / "raw" / "random-llama-1b-v1-q4-k-m"
@@ -200,7 +212,7 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     assert record["benchmark"] == "CPU throughput on random-llama-1b-v1 Q4_K_M"
     decode, prompt = record["cases"]
     b1 = decode["batch1_decode"]
-    assert b1["tok_s"] == {"kernel-lab": pytest.approx(20.0), "llama.cpp": pytest.approx(25.0)}
+    assert b1["tok_s"] == {"kernel-lab": pytest.approx(20.0), RUNNER: pytest.approx(25.0)}
     single = COPY_GBPS * 1e9 / WEIGHT_BYTES
     assert b1["ceiling_tok_s"] == pytest.approx(single)
     assert b1["percent_of_ceiling"] == pytest.approx(100 * 20.0 / single)
@@ -210,8 +222,8 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     assert prompt["shape"] == {"concurrency": 1, "threads": 2, "num_prompts": 3, "input_len": 512, "output_len": 1}
     assert prompt["quantity"] == "prompt tokens per second"
     assert prompt["metric"] == {"unit": "tok/s", "value": pytest.approx(3 * 512 / 4.0)}
-    assert prompt["ratio"] == {"llama.cpp": pytest.approx(5.0 / 4.0)}
-    assert "pp512 t2: 1.25x llama.cpp" in record["headline"]["text"]
+    assert prompt["ratio"] == {RUNNER: pytest.approx(5.0 / 4.0)}
+    assert f"pp512 t2: 1.25x {RUNNER}" in record["headline"]["text"]
 
 
 def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tmp_path, monkeypatch):
