@@ -260,3 +260,85 @@ def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tm
     (case,) = json.loads(path.read_text())["cases"]
     assert case["ratio"] == {"kernel-lab, reference checkout": pytest.approx(1.5)}
     assert "abc1234def5678" in json.loads(path.read_text())["description"]
+
+
+def test_llama_cpp_tools_at_each_point_and_the_avx2_mode(tmp_path, monkeypatch):
+    """The default llama.cpp baseline is its own tools, alternating with our runs: llama-bench tgN against our
+    batch-1 decode rate at concurrency 1, ppN against our prompt rate, llama-batched-bench (B = concurrency)
+    against our total tok/s; each case names the tool and its build. --isa avx2 runs our kernels with
+    KERNEL_LAB_CPU_ISA=avx2 and llama.cpp's avx2 build, into a record of its own labelled as emulated."""
+    tools_module = cpu_throughput.llama_cpp_tools
+    info = {"variant": "avx2", "tools": ["llama-bench", "llama-batched-bench"], "llama_cpp_python_version": "0.3.36",
+            "llama_cpp_commit": "0c1e570abc", "cmake_flags": ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"],
+            "compiler_flags": [], "built_on_cpu": "AMD EPYC", "built_on_cpu_isa": {"avx2": True, "avx512f": True}}
+    bin_dir = tmp_path / "no-llama-cpp-tools" / "build-avx2" / "bin"   # the autouse fixture's TOOLS_ROOT
+    bin_dir.mkdir(parents=True)
+    (bin_dir / tools_module.INFO_FILE).write_text(json.dumps(info))
+    for tool in info["tools"]:
+        (bin_dir / tool).write_text("")
+    data = HERE / "testdata" / "llama_cpp"
+    order, envs = [], []
+
+    def fake_tool(command, timeout=0):
+        order.append(Path(command[0]).name)
+        assert command[command.index("-t") + 1] == "2" and command[0].startswith(str(bin_dir))
+        if command[0].endswith("llama-batched-bench"):
+            assert command[command.index("-npl") + 1] == "4" and command[command.index("-npp") + 1] == "16"
+            return (data / "llama-batched-bench-pp16-tg8-b4.txt").read_text()        # S t/s 15.37
+        if command[command.index("-p") + 1] == "512":
+            return (data / "llama-bench-pp64.json").read_text()                      # avg_ts 24.04
+        assert command[command.index("-n") + 1] == "8"
+        return (data / "llama-bench-tg16.json").read_text()                          # avg_ts 8.07
+
+    real_run = cpu_throughput.subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if "throughput" not in cmd:
+            return real_run(cmd, **kwargs)
+        order.append("kernel-lab")
+        envs.append(kwargs["env"].get("KERNEL_LAB_CPU_ISA"))
+        c, t = int(cmd[cmd.index("--max-num-seqs") + 1]), int(cmd[cmd.index("--threads") + 1])
+        n, input_len = int(cmd[cmd.index("--num-prompts") + 1]), int(cmd[cmd.index("--input-len") + 1])
+        output_len = int(cmd[cmd.index("--output-len") + 1])
+        out = summary("kernel-lab", c, t, n, 30.0, input_len, output_len)
+        out["total_prompt_tokens"] = n * input_len
+        out["tokens_per_second"] = 46.11       # 3x llama-batched-bench's 15.37
+        out["decode_steps"] = {"median_ms": 62.0, "p20_ms": 1.0, "p80_ms": 2.0, "min_ms": 1.0, "samples": 7,
+                               "method": {}}
+        if output_len == 1:
+            out["elapsed_time"] = n * input_len / 48.085   # 2x pp's 24.04
+        Path(cmd[cmd.index("--output-json") + 1]).write_text(json.dumps(out))
+
+    monkeypatch.setattr(tools_module, "run_tool", fake_tool)
+    monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "2", "--num-prompts", "6",
+                         "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2",
+                         "--backends", "llama.cpp", "--isa", "avx2", "--prompt-throughput", "512"])
+    assert order == ["kernel-lab", "llama-bench"] * 2 + ["kernel-lab", "llama-batched-bench"] * 2 + [
+        "kernel-lab", "llama-bench"] * 2
+    assert envs == ["avx2"] * 6
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-*.json")
+    record = json.loads(path.read_text())
+    results.validate(record)
+    assert record["benchmark"] == ("CPU throughput vs transformers, vLLM CPU and llama.cpp (AVX2 builds, emulated on "
+                                   "this machine)")
+    assert record["isa"]["emulated"] is True and "not an AVX2 machine" in record["isa"]["note"]
+    raw = tmp_path / "09_engine" / "raw" / cpu_throughput.slug(record["benchmark"])
+    assert (raw / "llama-batched-bench-c4-t2-r1.json").exists() and (raw / "llama-bench-pp512-t2.json").exists()
+    c1, c4, pp = record["cases"]
+    assert c1["llama_cpp_tool"]["tool"] == "llama-bench" and c1["llama_cpp_tool"]["gen_len"] == 8
+    assert c1["llama_cpp_tool"]["ratio"] == pytest.approx((1e3 / 62.0) / 8.06593)
+    assert c1["llama_cpp_tool"]["build"] == "avx2" and c1["llama_cpp_tool"]["cpu_isa"]["avx512f"] is True
+    assert c4["llama_cpp_tool"]["tool"] == "llama-batched-bench"
+    assert c4["llama_cpp_tool"]["ratio"] == pytest.approx(3.0, rel=1e-3)
+    assert c4["llama_cpp_tool"]["runs_tok_s"] == [15.37, 15.37]
+    assert pp["llama_cpp_tool"]["ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert "c4 t2: 3.00x llama-batched-bench S t/s" in record["headline"]["text"]
+    assert "pp512 t2: 2.00x llama-bench pp512" in record["headline"]["text"]
+    # rebuilt from those raw outputs alone, the same comparisons
+    order.clear()
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "2", "--num-prompts", "6",
+                         "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2",
+                         "--backends", "llama.cpp", "--isa", "avx2", "--prompt-throughput", "512", "--reuse-raw"])
+    assert order == [] and json.loads(path.read_text())["cases"][1]["llama_cpp_tool"]["ratio"] == pytest.approx(3.0,
+                                                                                                               rel=1e-3)
