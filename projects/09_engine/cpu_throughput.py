@@ -313,6 +313,9 @@ def build_record(runs: dict, args, copy_gbps: float | None = None, prompt_runs: 
         print(f"concurrency {c}, {t} thread(s): kernel-lab {ours_tok_s:.1f} output tok/s{_spread(ours)}; " +
               "; ".join(f"{b} {r['output_tokens_per_second']:.1f}{_spread(r)} ({ratios[(c, t)][BASELINES[b]]:.2f}x)"
                         for b, r in theirs.items()))
+        if compared is not None:
+            print(f"  {tool_label(compared)}: {compared['tok_s']:.1f} tok/s, kernel-lab "
+                  f"{compared['kernel_lab_tok_s']:.1f} ({compared['kernel_lab_quantity']}): {compared['ratio']:.2f}x")
     for t, (ours, theirs, tool) in (prompt_runs or {}).items():
         ours_rate = prompt_rate(ours)
         shape = {"concurrency": 1, "threads": t, "num_prompts": ours["num_prompts"],

@@ -40,6 +40,7 @@ def summary(backend, c, t, n, tok_s, input_len=16, output_len=8):
 
 SPEEDS = {"kernel-lab": 30.0, "transformers": 10.0, "llama.cpp": 40.0}
 RUNNER = cpu_throughput.BASELINES["llama.cpp-runner"]
+BUILT_TOOLS_ROOT = cpu_throughput.llama_cpp_tools.TOOLS_ROOT   # before the fixture below hides it
 
 
 @pytest.fixture(autouse=True)
@@ -342,3 +343,24 @@ def test_llama_cpp_tools_at_each_point_and_the_avx2_mode(tmp_path, monkeypatch):
                          "--backends", "llama.cpp", "--isa", "avx2", "--prompt-throughput", "512", "--reuse-raw"])
     assert order == [] and json.loads(path.read_text())["cases"][1]["llama_cpp_tool"]["ratio"] == pytest.approx(3.0,
                                                                                                                rel=1e-3)
+
+
+@pytest.mark.slow
+def test_end_to_end_against_the_built_tools(tmp_path, monkeypatch, bundled_model):
+    """Our engine and llama.cpp's built tools on the bundled model, tiny shapes: each case holds the tool's
+    parsed output, its build and a positive ratio (the figures mean nothing at this size)."""
+    monkeypatch.setattr(cpu_throughput.llama_cpp_tools, "TOOLS_ROOT", BUILT_TOOLS_ROOT)
+    why = cpu_throughput.llama_cpp_tools.missing("native", ("llama-bench", "llama-batched-bench"))
+    if why:
+        pytest.skip(why)
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "2", "--threads", "1", "--num-prompts", "2",
+                         "--num-prompts-c1", "1", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+                         "--backends", "llama.cpp"])
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-*.json")
+    record = json.loads(path.read_text())
+    results.validate(record)
+    c1, c2 = (case["llama_cpp_tool"] for case in record["cases"])
+    assert (c1["tool"], c1["output"]["n_gen"], c1["output"]["n_threads"]) == ("llama-bench", 4, 1)
+    assert (c2["tool"], c2["output"]["b"], c2["output"]["pp"], c2["output"]["tg"]) == ("llama-batched-bench", 2, 8, 4)
+    for tool in (c1, c2):
+        assert tool["ratio"] > 0 and tool["build"] == "native" and "avx2" in tool["cpu_isa"]
