@@ -54,13 +54,14 @@ def free_port() -> int:
 
 def server_commands(gguf: Path, parallel: int, threads: int, context_per_slot: int, tools, ports: tuple[int, int],
                     python: str = sys.executable) -> dict[str, list[str]]:
-    """{server label: command} for kernel-lab serve and llama-server with the same slots and threads."""
+    """{server label: command} for llama-server and kernel-lab serve with the same slots and threads (in the
+    order they start: llama-server first, the quicker to load and to fail)."""
     ours = [python, "-m", "kernel_lab.cli", "serve", "--model", str(gguf), "--host", HOST, "--port", str(ports[0]),
             "--max-num-seqs", str(parallel), "--max-model-len", str(context_per_slot), "--device", "cpu",
             "--log-level", "warning"]
     theirs = llama_cpp_tools.llama_server_command(tools.path("llama-server"), gguf, ports[1], parallel, threads,
                                                   context_per_slot)
-    return {"kernel-lab": ours, "llama-server": theirs}
+    return {"llama-server": theirs, "kernel-lab": ours}
 
 
 def wait_ready(base_url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -153,7 +154,11 @@ def run_pair(args, levels: list[int | None]) -> int:
         models = {}
         for label, command in commands.items():
             log = Path(logs) / f"{label}.log"
-            wait_ready(urls[label], _start(stack, command, env, log), log, args.startup_timeout)
+            try:
+                wait_ready(urls[label], _start(stack, command, env, log), log, args.startup_timeout)
+            except RuntimeError as exc:
+                print(f"bench serve --llama-server: {label} did not start: {exc}", file=sys.stderr)
+                return 1
             models[label] = _discover_model(urls[label], args.api_key)["id"]
             if not warm_up(argparse.Namespace(**{**vars(args), "base_url": urls[label]}), requests, models[label]):
                 return 1

@@ -66,8 +66,22 @@ def test_concurrency_is_required(capsys):
     assert "give --max-concurrency" in capsys.readouterr().err
 
 
+def test_a_server_that_does_not_start_is_reported(tmp_path, monkeypatch, capsys, bundled_model):
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / llama_cpp_tools.INFO_FILE).write_text(json.dumps({"variant": "native", "tools": ["llama-server"]}))
+    (bin_dir / "llama-server").write_text("#!/bin/sh\necho 'cannot load the model' >&2\nexit 3\n")
+    (bin_dir / "llama-server").chmod(0o755)
+    monkeypatch.setattr(llama_cpp_tools, "TOOLS_ROOT", tmp_path)
+    status = bench_serve.main(["--llama-server", "--threads", "1", "--max-concurrency", "1", "--dataset-name",
+                               "fixed", "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "2"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "llama-server did not start" in err and "exited with 3" in err and "cannot load the model" in err
+
+
 @pytest.mark.slow
-def test_end_to_end_on_the_bundled_model(tmp_path):
+def test_end_to_end_on_the_bundled_model(tmp_path, bundled_model):
     """Both servers started here, two tiny requests at concurrency 1 and 2: one record per level, both
     servers' requests all completed, with the build named."""
     why = llama_cpp_tools.missing("native", ("llama-server",))
