@@ -260,8 +260,10 @@ def build_record(runs: dict, args, copy_gbps: float | None = None, prompt_runs: 
                                       f"Baselines asked for: {', '.join(names) or 'none'}"
                                       + (f"; the reference checkout: {args.reference_checkout} at commit "
                                          f"{git_commit(args.reference_checkout)}" if args.reference_checkout else ""))
+    ran = next((ours["cpu_kernels"] for ours, _, _ in runs.values() if "cpu_kernels" in ours), None)
     record.record["isa"] = {"kernel_lab_cpu_isa": args.isa, "llama_cpp_build": args.isa,
-                            "emulated": args.isa != "native", **({"note": ISA_NOTE} if args.isa != "native" else {})}
+                            "emulated": args.isa != "native", **({"note": ISA_NOTE} if args.isa != "native" else {}),
+                            **({"kernel_lab_cpu_kernels": ran} if ran else {})}
     copy_gbps = record.ceilings["copy"]["GBps"] if copy_gbps is None else copy_gbps
     ratios, read_bandwidth = {}, {}
     for (c, t), (ours, theirs, tool) in runs.items():

@@ -304,6 +304,7 @@ def test_llama_cpp_tools_at_each_point_and_the_avx2_mode(tmp_path, monkeypatch):
         out = summary("kernel-lab", c, t, n, 30.0, input_len, output_len)
         out["total_prompt_tokens"] = n * input_len
         out["tokens_per_second"] = 46.11       # 3x llama-batched-bench's 15.37
+        out["cpu_kernels"] = {"isa": kwargs["env"]["KERNEL_LAB_CPU_ISA"], "gguf_linear_path": "avx2"}
         out["decode_steps"] = {"median_ms": 62.0, "p20_ms": 1.0, "p80_ms": 2.0, "min_ms": 1.0, "samples": 7,
                                "method": {}}
         if output_len == 1:
@@ -324,6 +325,7 @@ def test_llama_cpp_tools_at_each_point_and_the_avx2_mode(tmp_path, monkeypatch):
     assert record["benchmark"] == ("CPU throughput vs transformers, vLLM CPU and llama.cpp (AVX2 builds, emulated on "
                                    "this machine)")
     assert record["isa"]["emulated"] is True and "not an AVX2 machine" in record["isa"]["note"]
+    assert record["isa"]["kernel_lab_cpu_kernels"] == {"isa": "avx2", "gguf_linear_path": "avx2"}
     raw = tmp_path / "09_engine" / "raw" / cpu_throughput.slug(record["benchmark"])
     assert (raw / "llama-batched-bench-c4-t2-r1.json").exists() and (raw / "llama-bench-pp512-t2.json").exists()
     c1, c4, pp = record["cases"]

@@ -6,6 +6,8 @@ with tiny shapes when `make llama-cpp-env` has built them (skipped with the reas
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,17 @@ def test_smoke_run_on_the_bundled_model(build):
     batched = tools.measure(found, model, 1, prompt_len=8, gen_len=4, batch=2)
     assert (batched["output"]["pp"], batched["output"]["tg"], batched["output"]["b"]) == (8, 4, 2)
     assert batched["tok_s"] > 0
+
+
+def test_the_avx2_build_holds_no_avx512_code():
+    """The avx2 build is what an AVX2 machine runs: its CPU backend has 256-bit code and no 512-bit registers
+    (the native build's, on an AVX-512 machine, has them)."""
+    why = tools.missing("avx2", ("llama-bench",))
+    if why:
+        pytest.skip(why)
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to read the build's instructions")
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(tools.find_tools("avx2").bin_dir /
+                                                                        "libggml-cpu.so")],
+                             capture_output=True, text=True, check=True).stdout
+    assert "%ymm" in listing and "%zmm" not in listing
