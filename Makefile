@@ -46,7 +46,9 @@ demo: install
 plugin-test:
 	bash projects/08_vllm_plugin/run_tests.sh
 
-# The llama.cpp baseline's environment (.venv-llamacpp: llama-cpp-python built for this CPU); not part of `make test`.
+# The llama.cpp baseline's environment (.venv-llamacpp: llama-cpp-python built for this CPU, and llama.cpp's own
+# llama-bench, llama-batched-bench and llama-server built from the same pinned source into
+# .venv-llamacpp/llama.cpp/build/bin; LLAMA_CPP_AVX2=1 adds the AVX2 build in build-avx2/bin); not part of `make test`.
 llama-cpp-env:
 	bash projects/09_engine/llama_cpp_env.sh
 

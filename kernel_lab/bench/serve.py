@@ -490,6 +490,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-dir", default=None, help="write one JSON record per run here")
     parser.add_argument("--label", default="", help="free text stored in the record")
+    from .serve_pair import add_pair_arguments
+
+    add_pair_arguments(parser)
 
 
 def _concurrency_levels(spec: str | None) -> list[int | None]:
@@ -565,6 +568,29 @@ def benchmark_once(
     return build_record(serve, request_rows(results), duration, env)
 
 
+def warm_up(args, requests: list[BenchRequest], model: str) -> bool:
+    """One request first, outside the measurement: connection set-up and any lazy server work. False (and a
+    message) when it fails."""
+    warm = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.endpoint,
+            model,
+            requests[:1],
+            request_rate=float("inf"),
+            burstiness=1.0,
+            max_concurrency=1,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+        )
+    )[0][0]
+    if not warm.success:
+        print(f"bench serve: the warm-up request to {args.base_url} failed: {warm.error}", file=sys.stderr)
+    return warm.success
+
+
 def record_file_name(serve: dict) -> str:
     d = serve["dataset"]
     structured = d.get("structured_output", "none")
@@ -576,6 +602,15 @@ def record_file_name(serve: dict) -> str:
 def run_bench_serve(args) -> int:
     from kernel_lab.harness.env import device_label, environment_record
 
+    if getattr(args, "llama_server", False):
+        from .serve_pair import run_pair
+
+        try:
+            levels = _concurrency_levels(args.max_concurrency)
+        except ValueError as exc:
+            print(f"bench serve: {exc}", file=sys.stderr)
+            return 2
+        return run_pair(args, levels)
     if args.base_url is None:
         args.base_url = f"http://{args.host}:{args.port}"
     args.base_url = args.base_url.rstrip("/")
@@ -602,24 +637,7 @@ def run_bench_serve(args) -> int:
     )
     env = environment_record()
     device = device_label(env) + " (server on the same machine)"
-    # one request first, outside the measurement: connection set-up and any lazy server work
-    warm = asyncio.run(
-        run_benchmark(
-            args.base_url,
-            args.endpoint,
-            model,
-            requests[:1],
-            request_rate=float("inf"),
-            burstiness=1.0,
-            max_concurrency=1,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-            api_key=args.api_key,
-            timeout_s=args.timeout,
-        )
-    )[0][0]
-    if not warm.success:
-        print(f"bench serve: the warm-up request failed: {warm.error}", file=sys.stderr)
+    if not warm_up(args, requests, model):
         return 1
     status = 0
     for concurrency in levels:

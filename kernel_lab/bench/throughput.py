@@ -86,9 +86,15 @@ def _bench_kernel_lab(args, workload) -> dict:
     elapsed = time.perf_counter() - start
     import torch
 
-    return {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
-            "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
-            "threads": torch.get_num_threads(), "decode_step_seconds": decode_step_seconds}
+    result = {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
+              "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
+              "threads": torch.get_num_threads(), "decode_step_seconds": decode_step_seconds}
+    if engine.config.device.type == "cpu":
+        from kernel_lab.ops import cpu_kernels, gguf_linear
+
+        # which build the C kernels ran (KERNEL_LAB_CPU_ISA) and the path gguf_linear's build took in it
+        result["cpu_kernels"] = {"isa": cpu_kernels.isa(), "gguf_linear_path": gguf_linear.kernel_isa()}
+    return result
 
 
 def _set_torch_threads(args) -> None:
@@ -272,6 +278,8 @@ def run_bench_throughput(args) -> int:
         summary["engine_stats"] = result["stats"]
     if "llama_cpp" in result:
         summary["llama_cpp"] = result["llama_cpp"]
+    if "cpu_kernels" in result:
+        summary["cpu_kernels"] = result["cpu_kernels"]
     print(f"Throughput: {summary['requests_per_second']:.2f} requests/s, {summary['tokens_per_second']:.2f} "
           f"total tokens/s, {summary['output_tokens_per_second']:.2f} output tokens/s "
           f"({args.backend}, {len(workload)} prompts, concurrency {args.max_num_seqs}, {result['device']} "

@@ -10,6 +10,11 @@ ahead of time and prints its path.
 When there is no compiler or the build fails, `load_library()` warns once and returns None and callers run
 the PyTorch reference; `KERNEL_LAB_CPU_KERNELS=0` does the same on purpose (read at call time).
 
+`KERNEL_LAB_CPU_ISA` (read by `isa()`, at call time) narrows every build below what the CPU has: `avx2` is an
+AVX2 machine's build (no AVX-512, no VNNI), `scalar` the C fallback loops (no AVX at all), `native` (the
+default) all this CPU has. An AVX-512 machine can so test and benchmark the paths an AVX2 one takes; such a
+run emulates the ISA choice on this machine, not an AVX2 machine's clocks, caches or memory.
+
 Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
 attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
@@ -72,6 +77,29 @@ _ROPE_WRITE_ATTENTION_ARGTYPES = [
 
 def enabled() -> bool:
     return os.environ.get("KERNEL_LAB_CPU_KERNELS", "1") != "0"
+
+
+# The flags after -march=native of each KERNEL_LAB_CPU_ISA value. -mno-avx512f drops every AVX-512 subset;
+# AVX-VNNI is dropped too, as an AVX2 machine without it (Haswell to Zen 3) builds.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "scalar": ("-mno-avx",)}
+_X86 = ("x86_64", "AMD64")
+
+
+def isa() -> str:
+    """KERNEL_LAB_CPU_ISA, checked: one of ISA_FLAGS (default native); avx2 and scalar only on x86-64, avx2
+    only where the CPU runs AVX2 code (avx2, fma, f16c)."""
+    return _checked_isa(os.environ.get("KERNEL_LAB_CPU_ISA", "").strip() or "native")
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_isa(name: str) -> str:
+    if name not in ISA_FLAGS:
+        raise ValueError(f"KERNEL_LAB_CPU_ISA must be one of {', '.join(ISA_FLAGS)}; got {name!r}")
+    if name != "native" and platform.machine() not in _X86:
+        raise ValueError(f"KERNEL_LAB_CPU_ISA={name} narrows an x86-64 build; this machine is {platform.machine()}")
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
+        raise ValueError("KERNEL_LAB_CPU_ISA=avx2 needs a CPU with avx2, fma and f16c; this one lacks some")
+    return name
 
 
 def compiler() -> str | None:
@@ -214,8 +242,11 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
 
 def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The built library `name` (paged_decode_attention, gguf_linear, norm_activation or token_bitmask), or
-    None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build)."""
-    return _load(name, tuple(extra_flags)) if enabled() else None
+    None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build). `extra_flags` (after
+    -march=native) replace the ones KERNEL_LAB_CPU_ISA picks."""
+    if not enabled():
+        return None
+    return _load(name, tuple(extra_flags) or ISA_FLAGS[isa()])
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
@@ -370,7 +401,7 @@ def main() -> None:
     if cc is None:
         raise SystemExit("no C compiler: set $CC or put cc on PATH")
     for name in _SIGNATURES:
-        print(build(cc, _source(name)))
+        print(build(cc, _source(name), ISA_FLAGS[isa()]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The llama.cpp baseline's environment, .venv-llamacpp at the repository root (`make llama-cpp-env`).
 #
-#   bash projects/09_engine/llama_cpp_env.sh
+#   bash projects/09_engine/llama_cpp_env.sh          (LLAMA_CPP_AVX2=1: also the AVX2 build of the tools)
+#
+# Two parts: llama-cpp-python (for our runner, kernel_lab/bench/llama_cpp.py, and the agreement checks), then
+# llama.cpp's own llama-bench, llama-batched-bench and llama-server from the same pinned source
+# (llama_cpp_tools.sh, about 16 minutes on 2 cores the first time). Each part skips itself when up to date.
 #
 # llama-cpp-python is compiled from source for this machine's CPU (GGML_NATIVE: AVX2/AVX-512/VNNI as the
 # compiler finds them), with ggml's AMX backend off (the CMake switches and -mno-amx-*): on machines whose CPU
@@ -27,10 +31,7 @@ fi
 KEY=$( (cat "$REQUIREMENTS" "${BASH_SOURCE[0]}"; echo "$CMAKE_FLAGS $NO_AMX") | sha1sum | cut -c1-12)
 STAMP=$VENV/.installed-$KEY
 
-if [ -f "$STAMP" ]; then
-  echo "== $VENV is up to date ($STAMP)"
-  exit 0
-fi
+build_python_env() {
 echo "== building $VENV (requirements or flags changed, or first run)"
 start=$SECONDS
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
@@ -46,3 +47,14 @@ CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" CMAKE_ARGS="$CMAKE
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 touch "$STAMP"
 echo "== $VENV ready after $((SECONDS - start)) s"
+}
+
+if [ -f "$STAMP" ]; then
+  echo "== $VENV is up to date ($STAMP)"
+else
+  build_python_env
+fi
+LLAMACPP_VENV=$VENV bash "$HERE/llama_cpp_tools.sh" native
+if [ "${LLAMA_CPP_AVX2:-0}" = 1 ]; then
+  LLAMACPP_VENV=$VENV bash "$HERE/llama_cpp_tools.sh" avx2
+fi

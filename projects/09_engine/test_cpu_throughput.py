@@ -33,12 +33,20 @@ def summary(backend, c, t, n, tok_s, input_len=16, output_len=8):
            "elapsed_time": n * output_len / tok_s}
     if backend == "kernel-lab":
         out["engine_stats"] = {"weights": "quantized", "weight_bytes": WEIGHT_BYTES}
-    if backend == "llama.cpp":
+    if backend in ("llama.cpp", "llama.cpp-runner"):  # the runner's backend in `bench throughput` is llama.cpp
         out["llama_cpp"] = {"version": "0.3.36", "system_info": "CPU : AVX2 = 1 |", "gguf": "/x/model.gguf"}
     return out
 
 
 SPEEDS = {"kernel-lab": 30.0, "transformers": 10.0, "llama.cpp": 40.0}
+RUNNER = cpu_throughput.BASELINES["llama.cpp-runner"]
+BUILT_TOOLS_ROOT = cpu_throughput.llama_cpp_tools.TOOLS_ROOT   # before the fixture below hides it
+
+
+@pytest.fixture(autouse=True)
+def no_llama_cpp_tools(monkeypatch, tmp_path):
+    """No built llama.cpp tools unless a test fakes them (a checkout's own build must not run here)."""
+    monkeypatch.setattr(cpu_throughput.llama_cpp_tools, "TOOLS_ROOT", tmp_path / "no-llama-cpp-tools")
 
 
 def write_raw(out: Path, concurrency=(1, 4), threads=(1, 2), backends=("kernel-lab", "transformers", "llama.cpp")):
@@ -55,7 +63,7 @@ def test_record_from_raw_outputs(tmp_path, capsys):
     write_raw(tmp_path)
     cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "1", "2",
                          "--num-prompts", "6", "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8",
-                         "--backends", "transformers", "llama.cpp", "--repeats", "1"])
+                         "--backends", "transformers", "llama.cpp-runner", "--repeats", "1"])
     paths = list((tmp_path / "09_engine").glob("cpu-throughput-*.json"))
     assert len(paths) == 1
     record = json.loads(paths[0].read_text())
@@ -66,16 +74,18 @@ def test_record_from_raw_outputs(tmp_path, capsys):
     for (c, t), case in cases.items():
         assert case["metric"] == {"unit": "tok/s", "value": pytest.approx(30.0 * c * t)}
         assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(10.0 * c * t),
-                                                 "llama.cpp": pytest.approx(40.0 * c * t)}
-        assert case["ratio"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
-        assert case["speedup"] == {"transformers generate": pytest.approx(3.0), "llama.cpp": pytest.approx(0.75)}
+                                                 RUNNER: pytest.approx(40.0 * c * t)}
+        assert case["ratio"] == {"transformers generate": pytest.approx(3.0), RUNNER: pytest.approx(0.75)}
+        assert case["speedup"] == {"transformers generate": pytest.approx(3.0), RUNNER: pytest.approx(0.75)}
         bound = c * COPY_GBPS * 1e9 / WEIGHT_BYTES
         assert case["ceiling_tok_s"] == pytest.approx(bound)
         assert case["percent_of_ceiling"] == pytest.approx(100 * 30.0 * c * t / bound)
         assert case["weights"] == "quantized"
         assert case["llama_cpp"]["version"] == "0.3.36"
+        assert case["llama_cpp_runner_case"] == cpu_throughput.RUNNER_CASE and "llama_cpp_tool" not in case
         assert case["shape"]["num_prompts"] == (2 if c == 1 else 6)
-    assert "c4 t2: 3.00x transformers generate, 0.75x llama.cpp" in record["headline"]["text"]
+    assert f"c4 t2: 3.00x transformers generate, 0.75x {RUNNER}" in record["headline"]["text"]
+    assert record["isa"] == {"kernel_lab_cpu_isa": "native", "llama_cpp_build": "native", "emulated": False}
     # The rendered RESULTS.md section picks the record up.
     assert "CPU throughput vs transformers, vLLM CPU and llama.cpp" in results.render(tmp_path)
 
@@ -91,8 +101,8 @@ def test_reuse_refuses_raw_output_of_another_run(tmp_path):
 
 
 def test_repeated_pair_takes_each_backends_median_run(tmp_path):
-    """kernel-lab and llama.cpp run three times per point: the record holds every run's wall time and each
-    backend's median run; the once-run baselines keep their single run."""
+    """kernel-lab and llama.cpp's runner run three times per point: the record holds every run's wall time
+    and each backend's median run; the once-run baselines keep their single run."""
     write_raw(tmp_path, concurrency=(4,), threads=(2,))
     raw = tmp_path / "09_engine" / "raw"
     for backend, speeds in (("kernel-lab", (20.0, 40.0)), ("llama.cpp", (50.0, 10.0))):
@@ -100,18 +110,18 @@ def test_repeated_pair_takes_each_backends_median_run(tmp_path):
             (raw / cpu_throughput.raw_name(backend, 4, 2, r)).write_text(json.dumps(summary(backend, 4, 2, 6, tok_s)))
     cpu_throughput.main(["--reuse-raw", "--out", str(tmp_path), "--concurrency", "4", "--threads", "2",
                          "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
-                         "--backends", "transformers", "llama.cpp"])
+                         "--backends", "transformers", "llama.cpp-runner"])
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
     (case,) = record["cases"]
     # runs: kernel-lab 240, 20, 40 tok/s (median 40); llama.cpp 320, 50, 10 (median 50); transformers 80 once
     assert case["metric"]["value"] == pytest.approx(40.0)
     assert case["baseline_output_tok_s"] == {"transformers generate": pytest.approx(80.0),
-                                             "llama.cpp": pytest.approx(50.0)}
-    assert case["ratio"]["llama.cpp"] == pytest.approx(0.8)
+                                             RUNNER: pytest.approx(50.0)}
+    assert case["ratio"][RUNNER] == pytest.approx(0.8)
     elapsed_ms = sorted(6 * 8 / v * 1e3 for v in (240.0, 20.0, 40.0))
     assert case["timing"]["samples"] == 3 and case["timing"]["min_ms"] == pytest.approx(elapsed_ms[0])
     assert case["timing"]["median_ms"] == pytest.approx(elapsed_ms[1])
-    assert case["baselines"]["llama.cpp"]["timing"]["samples"] == 3
+    assert case["baselines"][RUNNER]["timing"]["samples"] == 3
     assert case["baselines"]["transformers generate"]["timing"]["samples"] == 1
 
 
@@ -133,8 +143,11 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     fake_python.write_text("")
     cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "4", "--threads", "2", "--num-prompts", "6",
                          "--input-len", "16", "--output-len", "8", "--vllm-python", str(tmp_path / "absent"),
-                         "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64"])
-    assert "skipping vllm" in capsys.readouterr().out
+                         "--llama-cpp-python", str(fake_python), "--engine-args", "--max-num-batched-tokens 64",
+                         "--backends", "transformers", "vllm", "llama.cpp", "llama.cpp-runner", "kernel-lab-fp32"])
+    printed = capsys.readouterr().out
+    assert "skipping vllm" in printed
+    assert "skipping llama.cpp: no native build of llama.cpp's tools" in printed and "make llama-cpp-env" in printed
     names = [Path(cmd[cmd.index("--output-json") + 1]).name for cmd, _ in commands]
     assert names == ["kernel-lab-c4-t2.json", "transformers-c4-t2.json", "llama.cpp-c4-t2.json",
                      "kernel-lab-fp32-c4-t2.json", "kernel-lab-c4-t2-r1.json", "llama.cpp-c4-t2-r1.json",
@@ -151,7 +164,7 @@ def test_commands_and_skipped_baselines(tmp_path, monkeypatch, capsys):
     assert llama[llama.index("--llama-cpp-python") + 1] == str(fake_python)
     assert "--max-num-batched-tokens" not in llama
     record = json.loads(next((tmp_path / "09_engine").glob("cpu-throughput-*.json")).read_text())
-    assert set(record["cases"][0]["baselines"]) == {"transformers generate", "llama.cpp", "kernel-lab, float32 weights"}
+    assert set(record["cases"][0]["baselines"]) == {"transformers generate", RUNNER, "kernel-lab, float32 weights"}
 
 
 def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypatch):
@@ -188,7 +201,7 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     fake_python.write_text("")
     cpu_throughput.main(["--model", str(model), "--out", str(tmp_path), "--concurrency", "1", "--threads", "2",
                          "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "1",
-                         "--backends", "llama.cpp", "--llama-cpp-python", str(fake_python),
+                         "--backends", "llama.cpp-runner", "--llama-cpp-python", str(fake_python),
                          "--prompt-throughput", "512", "--num-prompts-pp", "3"])
     assert all(cmd[cmd.index("--model") + 1] == str(model) for cmd in commands) and len(commands) == 4
     raw = tmp_path / "09_engine" / "raw" / "random-llama-1b-v1-q4-k-m"
@@ -200,7 +213,7 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     assert record["benchmark"] == "CPU throughput on random-llama-1b-v1 Q4_K_M"
     decode, prompt = record["cases"]
     b1 = decode["batch1_decode"]
-    assert b1["tok_s"] == {"kernel-lab": pytest.approx(20.0), "llama.cpp": pytest.approx(25.0)}
+    assert b1["tok_s"] == {"kernel-lab": pytest.approx(20.0), RUNNER: pytest.approx(25.0)}
     single = COPY_GBPS * 1e9 / WEIGHT_BYTES
     assert b1["ceiling_tok_s"] == pytest.approx(single)
     assert b1["percent_of_ceiling"] == pytest.approx(100 * 20.0 / single)
@@ -210,8 +223,8 @@ def test_model_parameter_batch1_decode_and_prompt_throughput(tmp_path, monkeypat
     assert prompt["shape"] == {"concurrency": 1, "threads": 2, "num_prompts": 3, "input_len": 512, "output_len": 1}
     assert prompt["quantity"] == "prompt tokens per second"
     assert prompt["metric"] == {"unit": "tok/s", "value": pytest.approx(3 * 512 / 4.0)}
-    assert prompt["ratio"] == {"llama.cpp": pytest.approx(5.0 / 4.0)}
-    assert "pp512 t2: 1.25x llama.cpp" in record["headline"]["text"]
+    assert prompt["ratio"] == {RUNNER: pytest.approx(5.0 / 4.0)}
+    assert f"pp512 t2: 1.25x {RUNNER}" in record["headline"]["text"]
 
 
 def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tmp_path, monkeypatch):
@@ -248,3 +261,108 @@ def test_reference_checkout_runs_as_an_alternating_baseline_from_its_own_tree(tm
     (case,) = json.loads(path.read_text())["cases"]
     assert case["ratio"] == {"kernel-lab, reference checkout": pytest.approx(1.5)}
     assert "abc1234def5678" in json.loads(path.read_text())["description"]
+
+
+def test_llama_cpp_tools_at_each_point_and_the_avx2_mode(tmp_path, monkeypatch):
+    """The default llama.cpp baseline is its own tools, alternating with our runs: llama-bench tgN against our
+    batch-1 decode rate at concurrency 1, ppN against our prompt rate, llama-batched-bench (B = concurrency)
+    against our total tok/s; each case names the tool and its build. --isa avx2 runs our kernels with
+    KERNEL_LAB_CPU_ISA=avx2 and llama.cpp's avx2 build, into a record of its own labelled as emulated."""
+    tools_module = cpu_throughput.llama_cpp_tools
+    info = {"variant": "avx2", "tools": ["llama-bench", "llama-batched-bench"], "llama_cpp_python_version": "0.3.36",
+            "llama_cpp_commit": "0c1e570abc", "cmake_flags": ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"],
+            "compiler_flags": [], "built_on_cpu": "AMD EPYC", "built_on_cpu_isa": {"avx2": True, "avx512f": True}}
+    bin_dir = tmp_path / "no-llama-cpp-tools" / "build-avx2" / "bin"   # the autouse fixture's TOOLS_ROOT
+    bin_dir.mkdir(parents=True)
+    (bin_dir / tools_module.INFO_FILE).write_text(json.dumps(info))
+    for tool in info["tools"]:
+        (bin_dir / tool).write_text("")
+    data = HERE / "testdata" / "llama_cpp"
+    order, envs = [], []
+
+    def fake_tool(command, timeout=0):
+        order.append(Path(command[0]).name)
+        assert command[command.index("-t") + 1] == "2" and command[0].startswith(str(bin_dir))
+        if command[0].endswith("llama-batched-bench"):
+            assert command[command.index("-npl") + 1] == "4" and command[command.index("-npp") + 1] == "16"
+            return (data / "llama-batched-bench-pp16-tg8-b4.txt").read_text()        # S t/s 15.37
+        if command[command.index("-p") + 1] == "512":
+            return (data / "llama-bench-pp64.json").read_text()                      # avg_ts 24.04
+        assert command[command.index("-n") + 1] == "8"
+        return (data / "llama-bench-tg16.json").read_text()                          # avg_ts 8.07
+
+    real_run = cpu_throughput.subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if "throughput" not in cmd:
+            return real_run(cmd, **kwargs)
+        order.append("kernel-lab")
+        envs.append(kwargs["env"].get("KERNEL_LAB_CPU_ISA"))
+        c, t = int(cmd[cmd.index("--max-num-seqs") + 1]), int(cmd[cmd.index("--threads") + 1])
+        n, input_len = int(cmd[cmd.index("--num-prompts") + 1]), int(cmd[cmd.index("--input-len") + 1])
+        output_len = int(cmd[cmd.index("--output-len") + 1])
+        out = summary("kernel-lab", c, t, n, 30.0, input_len, output_len)
+        out["total_prompt_tokens"] = n * input_len
+        out["tokens_per_second"] = 46.11       # 3x llama-batched-bench's 15.37
+        out["cpu_kernels"] = {"isa": kwargs["env"]["KERNEL_LAB_CPU_ISA"], "gguf_linear_path": "avx2"}
+        out["decode_steps"] = {"median_ms": 62.0, "p20_ms": 1.0, "p80_ms": 2.0, "min_ms": 1.0, "samples": 7,
+                               "method": {}}
+        if output_len == 1:
+            out["elapsed_time"] = n * input_len / 48.085   # 2x pp's 24.04
+        Path(cmd[cmd.index("--output-json") + 1]).write_text(json.dumps(out))
+
+    monkeypatch.setattr(tools_module, "run_tool", fake_tool)
+    monkeypatch.setattr(cpu_throughput.subprocess, "run", fake_run)
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "2", "--num-prompts", "6",
+                         "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2",
+                         "--backends", "llama.cpp", "--isa", "avx2", "--prompt-throughput", "512"])
+    assert order == ["kernel-lab", "llama-bench"] * 2 + ["kernel-lab", "llama-batched-bench"] * 2 + [
+        "kernel-lab", "llama-bench"] * 2
+    assert envs == ["avx2"] * 6
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-*.json")
+    record = json.loads(path.read_text())
+    results.validate(record)
+    assert record["benchmark"] == ("CPU throughput vs transformers, vLLM CPU and llama.cpp (AVX2 builds, emulated on "
+                                   "this machine)")
+    assert record["isa"]["emulated"] is True and "not an AVX2 machine" in record["isa"]["note"]
+    assert record["isa"]["kernel_lab_cpu_kernels"] == {"isa": "avx2", "gguf_linear_path": "avx2"}
+    raw = tmp_path / "09_engine" / "raw" / cpu_throughput.slug(record["benchmark"])
+    assert (raw / "llama-batched-bench-c4-t2-r1.json").exists() and (raw / "llama-bench-pp512-t2.json").exists()
+    c1, c4, pp = record["cases"]
+    assert c1["llama_cpp_tool"]["tool"] == "llama-bench" and c1["llama_cpp_tool"]["gen_len"] == 8
+    assert c1["llama_cpp_tool"]["ratio"] == pytest.approx((1e3 / 62.0) / 8.06593)
+    assert c1["llama_cpp_tool"]["build"] == "avx2" and c1["llama_cpp_tool"]["cpu_isa"]["avx512f"] is True
+    assert c4["llama_cpp_tool"]["tool"] == "llama-batched-bench"
+    assert c4["llama_cpp_tool"]["ratio"] == pytest.approx(3.0, rel=1e-3)
+    assert c4["llama_cpp_tool"]["runs_tok_s"] == [15.37, 15.37]
+    assert pp["llama_cpp_tool"]["ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert "c4 t2: 3.00x llama-batched-bench S t/s" in record["headline"]["text"]
+    assert "pp512 t2: 2.00x llama-bench pp512" in record["headline"]["text"]
+    # rebuilt from those raw outputs alone, the same comparisons
+    order.clear()
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "4", "--threads", "2", "--num-prompts", "6",
+                         "--num-prompts-c1", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2",
+                         "--backends", "llama.cpp", "--isa", "avx2", "--prompt-throughput", "512", "--reuse-raw"])
+    assert order == [] and json.loads(path.read_text())["cases"][1]["llama_cpp_tool"]["ratio"] == pytest.approx(3.0,
+                                                                                                               rel=1e-3)
+
+
+@pytest.mark.slow
+def test_end_to_end_against_the_built_tools(tmp_path, monkeypatch, bundled_model):
+    """Our engine and llama.cpp's built tools on the bundled model, tiny shapes: each case holds the tool's
+    parsed output, its build and a positive ratio (the figures mean nothing at this size)."""
+    monkeypatch.setattr(cpu_throughput.llama_cpp_tools, "TOOLS_ROOT", BUILT_TOOLS_ROOT)
+    why = cpu_throughput.llama_cpp_tools.missing("native", ("llama-bench", "llama-batched-bench"))
+    if why:
+        pytest.skip(why)
+    cpu_throughput.main(["--out", str(tmp_path), "--concurrency", "1", "2", "--threads", "1", "--num-prompts", "2",
+                         "--num-prompts-c1", "1", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+                         "--backends", "llama.cpp"])
+    (path,) = (tmp_path / "09_engine").glob("cpu-throughput-*.json")
+    record = json.loads(path.read_text())
+    results.validate(record)
+    c1, c2 = (case["llama_cpp_tool"] for case in record["cases"])
+    assert (c1["tool"], c1["output"]["n_gen"], c1["output"]["n_threads"]) == ("llama-bench", 4, 1)
+    assert (c2["tool"], c2["output"]["b"], c2["output"]["pp"], c2["output"]["tg"]) == ("llama-batched-bench", 2, 8, 4)
+    for tool in (c1, c2):
+        assert tool["ratio"] > 0 and tool["build"] == "native" and "avx2" in tool["cpu_isa"]
