@@ -53,11 +53,15 @@ class TokenizationServing(OpenAIServing):
         strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    def detokenize_request(self, body: DetokenizeRequest) -> dict:
+    async def detokenize_request(self, body: DetokenizeRequest) -> dict:
         self.check_ready()
         self.check_model(body.model)
+        if len(body.tokens) > self.max_model_len:  # no sequence of this model is longer
+            raise bad_request(f"tokens has {len(body.tokens)} ids; at most max_model_len "
+                              f"({self.max_model_len}) can be detokenized", "tokens")
         self.check_token_ids(body.tokens, "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        text = await self.prepare(lambda: self.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text}
 
 
 def add_routes(app: FastAPI, serving: TokenizationServing) -> None:
@@ -67,4 +71,4 @@ def add_routes(app: FastAPI, serving: TokenizationServing) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize_request(body)
+        return await serving.detokenize_request(body)

@@ -34,6 +34,7 @@ def _health_latency(url: str) -> float:
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}),
     ("/tokenize", {"prompt": "hello"}),
     ("/tokenize", {"messages": MSG}),
+    ("/detokenize", {"tokens": [1, 2, 3]}),
 ])
 def test_health_answers_while_a_request_is_tokenized(fake_server, path, body):
     server = fake_server()
@@ -49,6 +50,8 @@ def test_health_answers_while_a_request_is_tokenized(fake_server, path, body):
 
     tokenizer.encode = slowed(tokenizer.encode)
     tokenizer.apply_chat_template = slowed(tokenizer.apply_chat_template)
+    if path == "/detokenize":  # elsewhere decoding is the engine thread's, off the loop already
+        tokenizer.decode = slowed(tokenizer.decode)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(HTTP.post, server.url + path, json=body)
         assert entered.wait(10)

@@ -83,6 +83,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(fake_server):
     back = HTTP.post(server.url + "/detokenize", json={"tokens": out["tokens"][1:]}).json()
     assert back == {"prompt": "abc"}
     for path, body, param in (("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": [1] * 257}, "tokens"),
                               ("/tokenize", {"prompt": "x", "model": "other"}, "model")):
         rsp = HTTP.post(server.url + path, json=body)
         assert rsp.status_code in (400, 404) and rsp.json()["error"]["param"] == param, rsp.text
