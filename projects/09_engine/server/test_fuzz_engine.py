@@ -48,14 +48,14 @@ if PROFILE not in ("ci", "long"):
     raise ValueError(f"KERNEL_LAB_FUZZ_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
 LONG = PROFILE == "long"
 EXAMPLES = {"ids": 400, "structured": 400, "all": 600, "hangups": 200} if LONG else \
-    {"ids": 15, "structured": 20, "all": 15, "hangups": 10}
+    {"ids": 8, "structured": 12, "all": 8, "hangups": 6}
 MAX_TOKENS = (1, 2, 3, 4, 8, 16, 32) if LONG else (1, 2, 3, 4, 6)
 SETTINGS = settings(
     max_examples=1, deadline=None, derandomize=not LONG, database=None, print_blob=True,
     suppress_health_check=list(HealthCheck),
 )
 ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=32, dtype="float32", device="cpu")
-WITNESS = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+WITNESS = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
 PLAIN = {"prompt": "Hello", "max_tokens": 1}
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 IDLE_TIMEOUT_S = 20.0
@@ -271,6 +271,7 @@ def _tool(name: str, parameters=...):
 
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = mostly(
     st.lists(st.builds(_tool, st.sampled_from(["get_weather", "f", "add"]),
                        st.sampled_from([..., {}, {"type": "object"}, {"type": "string"}, {"enum": [1, 2]}, CITY,
@@ -620,7 +621,6 @@ def test_hang_ups_mid_answer_free_everything(live, read_metrics):
 
 
 # ================================================================================ what the sweep found
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CITY_TOOL = [_tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                    "required": ["city"]})]
 KNOWN_FAULTS = {
@@ -705,18 +705,19 @@ def edge_cases(vocab: int, max_len: int) -> list[tuple[str, str, dict]]:
             for name, route, body in cases]
 
 
-def test_every_id_and_count_field_at_its_edges(live, read_metrics):
-    """All edge cases at once, as one batch beside the witness (one request's bad value must hurt no other);
+def run_batch(live: LiveEngine, cases: list[tuple[str, str, dict]], compare: bool = False) -> None:
+    """All cases at once, as one batch beside the witness (one request's bad value must hurt no other);
     after a failure each case runs alone, to name the ones at fault."""
-    cases = edge_cases(live.vocab, ENGINE_KWARGS["max_model_len"])
     if not live.healthy():
         live.restart()
 
     def one(case):
         name, route, body = case
         try:
-            send(live, route, body)
-        except AssertionError as exc:
+            result = send(live, route, body)
+            if compare and result is not None and result[0] == 200 and not body.get("stream"):
+                compare_stream(live, route, body, result[1])
+        except (AssertionError, ValueError, httpx.HTTPError) as exc:
             return f"{name}: {exc}"
         return None
 
@@ -730,8 +731,32 @@ def test_every_id_and_count_field_at_its_edges(live, read_metrics):
         failures = []
         for name, route, body in cases:
             try:
-                run_example(live, route, body)
-            except AssertionError as exc:
+                run_example(live, route, body, compare=compare)
+            except (AssertionError, ValueError, httpx.HTTPError) as exc:
                 failures.append(f"{name}: {str(exc)[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_every_id_and_count_field_at_its_edges(live, read_metrics):
+    run_batch(live, edge_cases(live.vocab, ENGINE_KWARGS["max_model_len"]))
+    check_idle_metrics(live, read_metrics)
+
+
+def tool_cases() -> list[tuple[str, str, dict]]:
+    """Every forced tool_choice against every kind of parameters schema and every way an answer ends early
+    (a stop string inside the call, max_tokens, neither), greedy, so streamed and whole can be compared."""
+    parameters = {"object": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                  "any": {}, "none given": ..., "scalar": {"enum": [1, 2]}, "array": {"type": "array",
+                                                                                      "maxItems": 1}}
+    ends = {"stop": {"stop": ["e"], "max_tokens": 16}, "length": {"max_tokens": 3}, "eos": {"max_tokens": 16}}
+    choices = {"required": "required", "named": {"type": "function", "function": {"name": "get_weather"}}}
+    return [(f"{choice} / {kind} parameters / ends by {end}", "chat",
+             {"messages": USER, "temperature": 0, "tools": [_tool("get_weather", schema)], "tool_choice": value,
+              **extra})
+            for choice, value in choices.items() for kind, schema in parameters.items()
+            for end, extra in ends.items()]
+
+
+def test_every_forced_tool_choice_and_parameters_kind_streams_like_whole(live, read_metrics):
+    run_batch(live, tool_cases(), compare=True)
     check_idle_metrics(live, read_metrics)
