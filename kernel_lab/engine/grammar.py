@@ -30,14 +30,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from .errors import RequestFieldError
 from .structured_output import StructuredOutputSpec, choice_grammar
 
 _IMPORT_LOCK = threading.Lock()
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
-class GrammarCompileError(ValueError):
-    """A structured-output value the grammar engine rejected; the message starts with the request field."""
+class GrammarCompileError(RequestFieldError):
+    """A structured-output value the grammar engine rejected; `param` is the request field."""
 
 
 class _Placeholder(types.ModuleType):
@@ -156,8 +157,9 @@ class GrammarCompileService:
             lines = str(exc).strip().splitlines()
             # xgrammar prefixes its messages with a time and its C++ source location; the reason follows
             reason = _XGRAMMAR_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
-            raise GrammarCompileError(f"{spec.param}: the {spec.kind} could not be compiled: {reason}") from exc
-        raise GrammarCompileError(f"{spec.param}: unknown structured output kind {spec.kind!r}")
+            message = f"{spec.param}: the {spec.kind} could not be compiled: {reason}"
+            raise GrammarCompileError(spec.param, message) from exc
+        raise GrammarCompileError(spec.param, f"{spec.param}: unknown structured output kind {spec.kind!r}")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -250,9 +252,6 @@ class StructuredOutputManager:
     def remove(self, request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
-
-    def num_waiting_seqs(self) -> int:
-        return sum(r.params.n for r in self.waiting)
 
     def take_compiled(self) -> tuple[list, list]:
         """(ready, failed): the waiting requests whose grammar compiled, each sequence given its matcher, and

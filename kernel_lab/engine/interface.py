@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 class EngineStats(TypedDict):
     """`stats()`: the scheduler's and the KV pool's state, and counters since start."""
 
-    num_running: int
-    num_waiting: int
+    num_running: int                   # requests (not sequences) with a sequence in the running batch
+    num_waiting: int                   # the other unfinished requests (queued, preempted, or compiling)
     kv_cache_blocks_total: int
     kv_cache_blocks_free: int
     prefix_cache_queries: int          # tokens looked up in the prefix cache
@@ -58,14 +58,17 @@ class Engine(Protocol):
     tokenizer: EngineTokenizer
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Raises ValueError or TypeError for a prompt or parameters the engine cannot run."""
+        """Raises ValueError or TypeError for a prompt or parameters the engine cannot run (a
+        RequestFieldError, from SamplingParams.verify, names the field); the engine keeps none of it then."""
 
     def abort_request(self, request_id: str) -> None: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; an output for every request that produced tokens or finished."""
+        """Run one scheduler step; an output for every request that produced tokens or finished. A request
+        whose own values failed in the step finishes alone with `error` set (errors.is_client_error: its
+        fault or the engine's); an exception out of step() is a fault of the whole engine."""
 
     def stats(self) -> EngineStats: ...
 

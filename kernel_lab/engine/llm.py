@@ -96,6 +96,9 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
+                    if out.error is not None:
+                        done = True
+                        raise out.error
                     if out.outputs[0].new_text:
                         yield out.outputs[0].new_text
                     done = out.finished

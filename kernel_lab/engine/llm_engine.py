@@ -15,6 +15,7 @@ import itertools
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .errors import RequestFieldError
 from .grammar import GrammarCompileService, StructuredOutputManager
 from .interface import EngineStats
 from .logits_processors import bad_words_token_ids
@@ -44,28 +45,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------- requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str) and prompt:
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids, text = list(prompt), None
-            vocab = self.config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        else:
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (it has no tokens)")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, longer than max_model_len "
-                             f"{self.config.max_model_len}")
-        return text, ids
+            raise RequestFieldError("prompt", "prompt is empty")
+        raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Everything that can refuse the request runs before any of the engine's state holds it."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -73,13 +62,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
-        params.check_vocab(self.config.vocab_size)
+        if not ids:
+            raise RequestFieldError("prompt", "prompt is empty (it has no tokens)")
+        params.verify(self.config.vocab_size, self.config.max_model_len, ids)
         request = Request(request_id, text, ids, params, next(self._arrivals))
         request.controls = params.controls(self.tokenizer.eos_token_ids,
                                            bad_words_token_ids(self.tokenizer, params.bad_words))
+        self.output_processor.add_request(request)
         if params.structured_outputs is not None:
             self.structured_outputs.add(request)     # enters the scheduler once its grammar is compiled
-        self.output_processor.add_request(request)
         self.requests[request_id] = request
         if request.grammar is None:
             for seq in request.seqs:
@@ -96,11 +87,8 @@ class LLMEngine:
         for seq in (seq for request in ready for seq in request.seqs):
             self.scheduler.add(seq)
         for request in failed:
-            for seq in request.seqs:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
             self.requests.pop(request.request_id, None)
-        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [], True, error=r.error) for r in failed]
+        return [self.output_processor.fail(request, request.error) for request in failed]
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -124,28 +112,23 @@ class LLMEngine:
             if self.structured_outputs.waiting and not failed:
                 self.structured_outputs.wait(0.05)   # nothing else to do
             return failed
-        results = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
+        # A fault in the model's forward belongs to no request and raises out of the step (the server then
+        # fails everything); a request's own fault in sampling or output processing ends that request alone.
+        results, sample_failures = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
         self.scheduler.update_computed(batch)
-        touched: dict[str, Request] = {}
-        for result in results:
-            self.output_processor.append_token(result)
-            touched[result.seq.request.request_id] = result.seq.request
         self.num_generated_tokens += len(results)
-        outputs = failed
-        for request in touched.values():
-            if request.finished:
-                self.requests.pop(request.request_id, None)
-            out = self.output_processor.make_output(request)
-            if out is not None:
-                outputs.append(out)
+        outputs = failed + self.output_processor.process(results, sample_failures)
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
         return outputs
 
     # ------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + self.structured_outputs.num_waiting_seqs(),
+            num_running=running, num_waiting=len(self.requests) - running,
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,

@@ -32,84 +32,96 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import RequestFieldError
+
 NEG_INF = float("-inf")
 
 
 # ------------------------------------------------------------------------------------------- validation
-def _number(name: str, value) -> float:
+def _number(name: str, value, param: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise RequestFieldError(param or name, f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
-def validate_presence_penalty(value) -> float:
-    value = _number("presence_penalty", value)
-    if not -2.0 <= value <= 2.0:
-        raise ValueError(f"presence_penalty must be in [-2, 2], got {value}")
+def _in_range(name: str, value, low: float, high: float) -> float:
+    value = _number(name, value)
+    if not low <= value <= high:
+        raise RequestFieldError(name, f"{name} must be in [{low:g}, {high:g}], got {value}")
     return value
+
+
+def validate_presence_penalty(value) -> float:
+    return _in_range("presence_penalty", value, -2.0, 2.0)
 
 
 def validate_frequency_penalty(value) -> float:
-    value = _number("frequency_penalty", value)
-    if not -2.0 <= value <= 2.0:
-        raise ValueError(f"frequency_penalty must be in [-2, 2], got {value}")
-    return value
+    return _in_range("frequency_penalty", value, -2.0, 2.0)
 
 
 def validate_repetition_penalty(value) -> float:
     value = _number("repetition_penalty", value)
     if not value > 0.0:
-        raise ValueError(f"repetition_penalty must be > 0, got {value}")
+        raise RequestFieldError("repetition_penalty", f"repetition_penalty must be > 0, got {value}")
     return value
 
 
 def validate_min_p(value) -> float:
-    value = _number("min_p", value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {value}")
-    return value
+    return _in_range("min_p", value, 0.0, 1.0)
 
 
 def validate_min_tokens(value, max_tokens: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"min_tokens must be an integer >= 0, got {value!r}")
+        raise RequestFieldError("min_tokens", f"min_tokens must be an integer >= 0, got {value!r}")
     if max_tokens is not None and value > max_tokens:
-        raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
+        raise RequestFieldError("min_tokens", f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
     return value
 
 
-def _token_id(name: str, token, vocab_size: int) -> int:
+def _token_id(name: str, token, vocab_size: int | None) -> int:
+    """A token id; `vocab_size` None checks the type only (the range needs the model: SamplingParams.verify)."""
     if isinstance(token, str):  # JSON object keys are strings: {"50256": -100}
         try:
             token = int(token)
         except ValueError:
-            raise ValueError(f"{name} keys must be token ids, got {token!r}") from None
-    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-        raise ValueError(f"{name} token ids must be integers in [0, {vocab_size}), got {token!r}")
+            raise RequestFieldError(name, f"{name} keys must be token ids, got {token!r}") from None
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
+            (vocab_size is not None and token >= vocab_size):
+        bound = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
+        raise RequestFieldError(name, f"{name} token ids must be integers {bound}, got {token!r}")
     return token
 
 
-def validate_logit_bias(bias, vocab_size: int) -> dict[int, float] | None:
-    """{token id: bias} with ids in [0, vocab_size) (string keys accepted) and biases in [-100, 100]."""
+def check_token_ids(name: str, ids, vocab_size: int | None) -> None:
+    for token in ids:
+        _token_id(name, token, vocab_size)
+
+
+def validate_logit_bias(bias, vocab_size: int | None = None) -> dict[int, float] | None:
+    """{token id: bias} with ids >= 0 (in [0, vocab_size) when given; string keys accepted) and biases in
+    [-100, 100]."""
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {type(bias).__name__}")
+        raise RequestFieldError("logit_bias", "logit_bias must be an object mapping token ids to biases, got "
+                                f"{type(bias).__name__}")
     out = {}
     for key, value in bias.items():
         token = _token_id("logit_bias", key, vocab_size)
-        value = _number(f"logit_bias[{key!r}]", value)
+        value = _number(f"logit_bias[{key!r}]", value, "logit_bias")
         if not -100.0 <= value <= 100.0:
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+            raise RequestFieldError("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for "
+                                    f"token {token}")
         out[token] = value
     return out
 
 
-def validate_allowed_token_ids(ids, vocab_size: int) -> tuple[int, ...] | None:
+def validate_allowed_token_ids(ids, vocab_size: int | None = None) -> tuple[int, ...] | None:
     if ids is None:
         return None
     if not isinstance(ids, (list, tuple)) or not ids:
-        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+        raise RequestFieldError("allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, "
+                                f"got {ids!r}")
     return tuple(sorted({_token_id("allowed_token_ids", t, vocab_size) for t in ids}))
 
 
@@ -121,7 +133,7 @@ def validate_bad_words_token_ids(words, vocab_size: int) -> tuple[tuple[int, ...
     out = []
     for word in words:
         if not isinstance(word, (list, tuple)) or not word:
-            raise ValueError(f"bad_words entries must be non-empty token-id lists, got {word!r}")
+            raise RequestFieldError("bad_words", f"bad_words entries must be non-empty token-id lists, got {word!r}")
         out.append(tuple(_token_id("bad_words", t, vocab_size) for t in word))
     return tuple(out)
 

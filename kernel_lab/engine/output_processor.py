@@ -21,15 +21,58 @@ from .sampling_params import RequestOutputKind
 from .sequence import Request, Sequence
 
 
+def _borders(stop: str) -> list[int]:
+    """Knuth-Morris-Pratt's table: borders[i] is the length of the longest proper prefix of stop[:i + 1]
+    that is also its suffix."""
+    borders, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = borders[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        borders[i] = k
+    return borders
+
+
+class StopPrefixes:
+    """How much of a sequence's text could still become a stop string: per stop string, the longest of its
+    proper prefixes that the text ends with, advanced as characters arrive (Knuth-Morris-Pratt). A step
+    costs its new characters times the number of stop strings, whatever their lengths; trying every prefix
+    of every stop string against the text's tail, as before, cost the square of their length every step.
+    A complete stop string falls back to its longest border: whether it stops the sequence is
+    `_check_stop_strings`'s call (not before min_tokens), and a match that did not stop is never held."""
+
+    __slots__ = ("_stops", "_matched")
+
+    def __init__(self, stops: list[tuple[str, list[int]]]):
+        self._stops = stops                    # (stop string, its borders), shared by a request's sequences
+        self._matched = [0] * len(stops)
+
+    @classmethod
+    def for_stops(cls, stops: list[str]) -> StopPrefixes:
+        return cls([(stop, _borders(stop)) for stop in stops])
+
+    def feed(self, text: str) -> None:
+        for i, (stop, borders) in enumerate(self._stops):
+            k = self._matched[i]
+            for char in text:
+                while k and stop[k] != char:
+                    k = borders[k - 1]
+                if stop[k] == char:
+                    k += 1
+                    if k == len(stop):
+                        k = borders[k - 1]
+            self._matched[i] = k
+
+    def holdback(self) -> int:
+        return max(self._matched, default=0)
+
+
 def stop_holdback(text: str, stops: list[str]) -> int:
     """How many trailing characters of `text` could still be the start of a stop string."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
+    prefixes = StopPrefixes.for_stops(stops)
+    prefixes.feed(text)
+    return prefixes.holdback()
 
 
 class GrowingText:
@@ -63,11 +106,14 @@ class SequenceOutputState:
     """What the output processor keeps per sequence: the text, how much of it and of the tokens was already
     emitted, and the logprobs."""
 
-    __slots__ = ("detokenizer", "text", "emitted_chars", "emitted_tokens", "logprobs", "cumulative_logprob")
+    __slots__ = ("detokenizer", "text", "stop_prefixes", "emitted_chars", "emitted_tokens", "logprobs",
+                 "cumulative_logprob")
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, with_logprobs: bool):
+    def __init__(self, detokenizer: IncrementalDetokenizer, with_logprobs: bool,
+                 stop_prefixes: StopPrefixes | None = None):
         self.detokenizer = detokenizer
         self.text = GrowingText()
+        self.stop_prefixes = stop_prefixes
         self.emitted_chars = self.emitted_tokens = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if with_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if with_logprobs else None
@@ -83,9 +129,55 @@ class OutputProcessor:
 
     def add_request(self, request: Request) -> None:
         params = request.params
+        stops = [(stop, _borders(stop)) for stop in params.stop_strings]
         for seq in request.seqs:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-            seq.output = SequenceOutputState(detokenizer, params.logprobs is not None)
+            seq.output = SequenceOutputState(detokenizer, params.logprobs is not None,
+                                             StopPrefixes(stops) if stops else None)
+
+    def process(self, results: list[SampleResult], failures=()) -> list[RequestOutput]:
+        """The one loop over a step's sampled tokens: each appended (stop checks, detokenizing, logprobs),
+        then one output per request that got a token. A request whose own values make any of that raise,
+        or whose row failed in the sampler (`failures`: (sequence, exception)), ends alone (`fail`), and
+        the others go on as if it had not been there. Each request's work is wrapped on its own, which
+        costs nothing until something raises and is what lets the error name its request."""
+        touched: dict[str, Request] = {}
+        errors: dict[str, Exception] = {}
+        for seq, exc in failures:
+            touched[seq.request.request_id] = seq.request
+            errors.setdefault(seq.request.request_id, exc)
+        for result in results:
+            request = result.seq.request
+            touched[request.request_id] = request
+            if request.request_id in errors or result.seq.is_finished:
+                continue
+            try:
+                self.append_token(result)
+            except Exception as exc:  # noqa: BLE001 - this request's fault, reported in its output
+                errors[request.request_id] = exc
+        outputs = []
+        for request_id, request in touched.items():
+            if request_id not in errors:
+                try:
+                    out = self.make_output(request)
+                except Exception as exc:  # noqa: BLE001
+                    errors[request_id] = exc
+                else:
+                    if out is not None:
+                        outputs.append(out)
+                    continue
+            outputs.append(self.fail(request, errors[request_id]))
+        return outputs
+
+    def fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End a request with `error`: every unfinished sequence is released (its blocks and slot) and the
+        final output carries the error instead of completions."""
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._release(seq)
+        request.error = error
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True, error=error)
 
     def append_token(self, result: SampleResult) -> None:
         seq, token = result.seq, result.token_id
@@ -114,8 +206,12 @@ class OutputProcessor:
             return
         delta = out.detokenizer.add([token]) if params.detokenize else ""
         out.text.append(delta)
-        if delta and params.stop_strings and self._check_stop_strings(seq, len(delta)):
-            return
+        if delta and out.stop_prefixes is not None:
+            out.stop_prefixes.feed(delta)
+            # vLLM's rule: stop strings count only once min_tokens tokens were generated, and the text of
+            # the tokens before is never searched again (a stop string may still start in it)
+            if seq.num_output_tokens > params.min_tokens and self._check_stop_strings(seq, len(delta)):
+                return
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
@@ -176,8 +272,7 @@ class OutputProcessor:
 def visible_length(seq: Sequence) -> int:
     """How much of the text is safe to show: all of it once finished; while running, all but a tail that
     could still start a stop string (never less than what was already shown)."""
-    out, stops = seq.output, seq.params.stop_strings
-    if seq.is_finished or not stops:
+    out = seq.output
+    if seq.is_finished or out.stop_prefixes is None:
         return out.text.length
-    tail = out.text.read(max(0, out.text.length - max(len(s) for s in stops) + 1))
-    return max(out.emitted_chars, out.text.length - stop_holdback(tail, stops))
+    return max(out.emitted_chars, out.text.length - out.stop_prefixes.holdback())

@@ -41,7 +41,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
-    error: Exception | None = None  # the request was refused after add_request (its grammar failed to compile)
+    # Why the engine ended this request alone after add_request (its grammar failed to compile, or its
+    # values failed in a step); `outputs` is then empty. errors.is_client_error: the request's fault or not.
+    error: Exception | None = None
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: in the request's final output
 
 

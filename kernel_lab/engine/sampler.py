@@ -45,6 +45,28 @@ class Sampler:
             return self.rng.getrandbits(63)
         return hash((seed, seq.index, seq.num_output_tokens)) & ((1 << 63) - 1)
 
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]
+                    ) -> tuple[list[SampleResult], list[tuple[Sequence, Exception]]]:
+        """`sample`, with each row's failure its own: (results, [(sequence, its exception)]).
+
+        The batch is sampled whole, as always; only when that raises are its rows sampled one at a time,
+        to find the rows whose parameters fail (a processor, the grammar's bitmask, top-k...). A row's
+        result depends on that row alone (see the module docstring), so the others' tokens are those the
+        whole batch would have given, and the normal step pays nothing for the isolation. A fault that
+        every row hits alone belongs to no request (the device, the kernels): it is raised."""
+        try:
+            return self.sample(logits, seqs), []
+        except Exception as batch_error:
+            results, failed = [], []
+            for row, seq in enumerate(seqs):
+                try:
+                    results += self.sample(logits[row:row + 1], [seq])
+                except Exception as exc:  # noqa: BLE001 - this request's fault, reported in its output
+                    failed.append((seq, exc))
+            if len(failed) == len(seqs) > 1:
+                raise batch_error
+            return results, failed
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         if not seqs:
             return []
@@ -61,7 +83,8 @@ class Sampler:
             tokens = ops.sample(
                 processed,
                 temperature,
-                top_k=to_device("top_k", [max(p.top_k, 0) for p in params], torch.int32),
+                # top_k at or past the vocabulary is off (ops.sample's rule), and then fits in int32
+                top_k=to_device("top_k", [min(max(p.top_k, 0), logits.shape[1]) for p in params], torch.int32),
                 top_p=to_device("top_p", [p.top_p for p in params], torch.float32),
                 seed=to_device("seed", [self.step_seed(s) for s in seqs], torch.int64),
             )

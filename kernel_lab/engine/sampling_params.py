@@ -8,8 +8,10 @@ from enum import Enum
 
 from kernel_lab.ops.sampling_rules import BOUNDS, RULES, satisfies
 
+from .errors import RequestFieldError
 from .logits_processors import (
     SamplingControls,
+    check_token_ids,
     validate_allowed_token_ids,
     validate_frequency_penalty,
     validate_logit_bias,
@@ -24,6 +26,11 @@ SAMPLING_BOUNDS = BOUNDS  # for the layers above, which may not import ops
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's threshold)
 MAX_LOGPROBS = 20
+# What a client controls about the per-step cost of its request: the stop checks scan each new character
+# against every stop string, and every bad word's prefix is compared with the output each step.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 64, 256
 
 
 def _is_int(x) -> bool:
@@ -32,6 +39,16 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _bounded_strings(name: str, value, count: int, chars: int, single: bool = False) -> list[str]:
+    """A list of at most `count` non-empty strings of at most `chars` characters (`single`: or one string)."""
+    items = [value] if single and isinstance(value, str) else value or []
+    if isinstance(items, str) or not isinstance(items, (list, tuple)) or len(items) > count or \
+            not all(isinstance(x, str) and 0 < len(x) <= chars for x in items):
+        raise RequestFieldError(name, f"{name} must be {'a non-empty string or ' if single else ''}a list of at "
+                                f"most {count} non-empty strings of at most {chars} characters, got {value!r:.200}")
+    return list(items)
 
 
 class RequestOutputKind(Enum):
@@ -95,58 +112,66 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        """The checks that need no model; `verify` adds those against the model (token-id ranges, the prompt).
+        Each failure is a RequestFieldError naming the field."""
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise RequestFieldError("n", f"n must be an integer >= 1, got {self.n!r}")
         for name, integer in (("temperature", False), ("top_p", False), ("top_k", True)):
             value = getattr(self, name)
             if not (_is_int if integer else _is_number)(value) or not satisfies(name, value):
-                raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {RULES[name]}, "
-                                 f"got {value!r}")
+                raise RequestFieldError(name, f"{name} must be {'an integer' if integer else 'a number'} "
+                                        f"{RULES[name]}, got {value!r}")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if not satisfies("top_p", struct.unpack("f", struct.pack("f", self.top_p))[0]):  # the sampler's float32
-            raise ValueError(f"top_p must be a number {RULES['top_p']} in float32, got {self.top_p!r}")
+            raise RequestFieldError("top_p", f"top_p must be a number {RULES['top_p']} in float32, got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise RequestFieldError("seed", f"seed must be an integer or None, got {self.seed!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {self.prompt_logprobs!r}")
+            raise RequestFieldError("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] "
+                                    f"or None, got {self.prompt_logprobs!r}")
         least = 0 if self.prompt_logprobs is not None else 1  # max_tokens=0: score the prompt only
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < least):
-            raise ValueError(f"max_tokens must be an integer >= {least} or None, got {self.max_tokens!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_strings = stop
-        if stop and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True")
-        ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+            raise RequestFieldError("max_tokens", f"max_tokens must be an integer >= {least} or None, "
+                                    f"got {self.max_tokens!r}")
+        self.stop_strings = _bounded_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS,
+                                             single=True)
+        if self.stop_strings and not self.detokenize:
+            raise RequestFieldError("stop", "stop strings need detokenize=True")
+        ids = self.stop_token_ids or []
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestFieldError("stop_token_ids", f"stop_token_ids must be a list of at most "
+                                    f"{MAX_STOP_TOKEN_IDS} token ids, got {self.stop_token_ids!r}")
+        check_token_ids("stop_token_ids", ids, None)
+        self.stop_token_ids = list(ids)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+            raise RequestFieldError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                    f"got {self.logprobs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            raise RequestFieldError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.presence_penalty = validate_presence_penalty(self.presence_penalty)
         self.frequency_penalty = validate_frequency_penalty(self.frequency_penalty)
         self.repetition_penalty = validate_repetition_penalty(self.repetition_penalty)
         self.min_p = validate_min_p(self.min_p)
         self.min_tokens = validate_min_tokens(self.min_tokens, self.max_tokens)
-        # Token ranges need the vocabulary: check_vocab (the engine calls it in add_request).
-        self.logit_bias = validate_logit_bias(self.logit_bias, 1 << 62)
-        self.allowed_token_ids = validate_allowed_token_ids(self.allowed_token_ids, 1 << 62)
-        words = self.bad_words or []
-        if isinstance(words, str) or not all(isinstance(w, str) and w for w in words):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
-        self.bad_words = list(words)
+        self.logit_bias = validate_logit_bias(self.logit_bias)
+        self.allowed_token_ids = validate_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _bounded_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputSpec):
-            raise ValueError(f"structured_outputs must be a StructuredOutputSpec, got {self.structured_outputs!r}")
+            raise RequestFieldError("structured_outputs", f"structured_outputs must be a StructuredOutputSpec, "
+                                    f"got {self.structured_outputs!r}")
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """The token-id ranges of logit_bias and allowed_token_ids, which need the vocabulary size."""
-        validate_logit_bias(self.logit_bias, vocab_size)
-        validate_allowed_token_ids(self.allowed_token_ids, vocab_size)
+    def verify(self, vocab_size: int, max_model_len: int | None = None, prompt_token_ids=()) -> None:
+        """The checks against the model, the one place each is made (LLMEngine.add_request calls it; the
+        server and LLM rely on it): every field that holds token ids, the prompt's ids among them, is in
+        [0, vocab_size), and the prompt fits in max_model_len. Raises RequestFieldError naming the field."""
+        check_token_ids("prompt", prompt_token_ids, vocab_size)
+        if max_model_len is not None and len(prompt_token_ids) > max_model_len:
+            raise RequestFieldError("prompt", f"prompt is {len(prompt_token_ids)} tokens long, longer than "
+                                    f"max_model_len {max_model_len}")
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias", self.logit_bias or (), vocab_size)
+        check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
 
     def controls(self, eos_token_ids, bad_words_token_ids=()) -> SamplingControls | None:
         """This request's logits controls (None when every processor is neutral). `eos_token_ids` is what

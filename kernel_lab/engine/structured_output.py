@@ -8,11 +8,11 @@ Accepted, as OpenAI and vLLM accept them:
   `json_object` (true), `regex`, `choice` (a list of strings), `grammar` (xgrammar's EBNF);
 - vLLM's older top-level fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
-A request may use one of these; more than one (or two members of `structured_outputs`) is a ValueError
-naming them. A malformed value (a schema that is not an object, an empty choice list, a regex that is not a
-string) is a ValueError naming the parameter here; a well-formed value that the grammar engine rejects (an
-unsupported schema, a regex or EBNF that does not parse) fails at compile time (`grammar.py`), with the same
-parameter name, which `spec.param` carries.
+A request may use one of these; more than one (or two members of `structured_outputs`) is a
+RequestFieldError (errors.py) naming them. A malformed value (a schema that is not an object, an empty choice
+list, a regex that is not a string) is a RequestFieldError whose `param` names the field here; a well-formed
+value that the grammar engine rejects (an unsupported schema, a regex or EBNF that does not parse) fails at
+compile time (`grammar.py`), with the same parameter name, which `spec.param` carries.
 
 Pure Python and no grammar engine: the server validates requests with it before anything is queued.
 """
@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .errors import RequestFieldError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -59,22 +61,23 @@ def _schema_text(value, param: str) -> str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{param} must be a JSON schema (an object, or JSON text of one): {exc}") from None
+            raise RequestFieldError(param,
+                                    f"{param} must be a JSON schema (an object, or JSON text of one): {exc}") from None
     if not isinstance(value, (dict, bool)):
-        raise ValueError(f"{param} must be a JSON schema object, got {type(value).__name__}")
+        raise RequestFieldError(param, f"{param} must be a JSON schema object, got {type(value).__name__}")
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
 
 
 def _non_empty_string(value, param: str) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{param} must be a non-empty string, got {value!r}")
+        raise RequestFieldError(param, f"{param} must be a non-empty string, got {value!r}")
     return value
 
 
 def _choice_text(value, param: str) -> str:
     if (not isinstance(value, (list, tuple)) or not value
             or not all(isinstance(c, str) and c for c in value)):
-        raise ValueError(f"{param} must be a non-empty list of non-empty strings, got {value!r}")
+        raise RequestFieldError(param, f"{param} must be a non-empty list of non-empty strings, got {value!r}")
     return json.dumps(list(dict.fromkeys(value)), ensure_ascii=False)  # duplicates dropped, order kept
 
 
@@ -84,18 +87,18 @@ def make_spec(kind: str, value, param: str, strict: bool = True) -> StructuredOu
         return StructuredOutputSpec("json", _schema_text(value, param), bool(strict), param)
     if kind == "json_object":
         if value is not True:
-            raise ValueError(f"{param} must be true, got {value!r}")
+            raise RequestFieldError(param, f"{param} must be true, got {value!r}")
         return StructuredOutputSpec("json_object", "", True, param)
     if kind in ("regex", "grammar"):
         return StructuredOutputSpec(kind, _non_empty_string(value, param), True, param)
     if kind == "choice":
         return StructuredOutputSpec("choice", _choice_text(value, param), True, param)
-    raise ValueError(f"unknown structured output kind {kind!r}; expected one of {KINDS}")
+    raise RequestFieldError(param, f"unknown structured output kind {kind!r}; expected one of {KINDS}")
 
 
 def _from_response_format(fmt) -> StructuredOutputSpec | None:
     if not isinstance(fmt, Mapping):
-        raise ValueError(f"response_format must be an object with a 'type', got {fmt!r}")
+        raise RequestFieldError("response_format", f"response_format must be an object with a 'type', got {fmt!r}")
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -104,25 +107,31 @@ def _from_response_format(fmt) -> StructuredOutputSpec | None:
     if kind == "json_schema":
         body = fmt.get("json_schema")
         if not isinstance(body, Mapping):
-            raise ValueError("response_format.json_schema must be an object with 'name' and 'schema'")
+            raise RequestFieldError("response_format.json_schema",
+                                    "response_format.json_schema must be an object with 'name' and 'schema'")
         if "schema" not in body:
-            raise ValueError("response_format.json_schema.schema is required")
+            raise RequestFieldError("response_format.json_schema.schema",
+                                    "response_format.json_schema.schema is required")
         strict = body.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise ValueError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
+            raise RequestFieldError("response_format.json_schema.strict",
+                                    f"response_format.json_schema.strict must be a boolean, got {strict!r}")
         return make_spec("json", body["schema"], "response_format.json_schema.schema", bool(strict))
-    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    raise RequestFieldError("response_format.type",
+                            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def _from_structured_outputs(obj) -> StructuredOutputSpec | None:
     if not isinstance(obj, Mapping):
-        raise ValueError(f"structured_outputs must be an object, got {type(obj).__name__}")
+        raise RequestFieldError("structured_outputs", f"structured_outputs must be an object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(KINDS))  # e.g. whitespace_pattern: it changes the output, not implemented
     if unknown:
-        raise ValueError(f"structured_outputs has unknown field(s) {unknown}; expected one of {list(KINDS)}")
+        raise RequestFieldError("structured_outputs",
+                                f"structured_outputs has unknown field(s) {unknown}; expected one of {list(KINDS)}")
     present = [k for k in KINDS if obj.get(k) is not None and obj.get(k) is not False]
     if len(present) > 1:
-        raise ValueError(f"structured_outputs sets {', '.join(present)}: give only one of them")
+        raise RequestFieldError("structured_outputs",
+                                f"structured_outputs sets {', '.join(present)}: give only one of them")
     if not present:
         return None
     kind = present[0]
@@ -146,7 +155,8 @@ def parse_structured_output(request: Mapping) -> StructuredOutputSpec | None:
         if request.get(name) is not None:
             sources[name] = make_spec(kind, request[name], name)
     if len(sources) > 1:
-        raise ValueError(f"conflicting structured-output fields {', '.join(sources)}: give only one of them")
+        raise RequestFieldError(next(iter(sources)),
+                                f"conflicting structured-output fields {', '.join(sources)}: give only one of them")
     return next(iter(sources.values()), None)
 
 

@@ -51,12 +51,22 @@ def safetensors_files(model_dir) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted({_shard_name(s, index) for s in json.loads(index.read_text())["weight_map"].values()})
         return [model_dir / s for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{str(model_dir)!r} holds no .safetensors weights")
     return files
+
+
+def _shard_name(entry, index: Path) -> str:
+    """A weight_map entry, which must name a file inside the model directory: an absolute path or a `..`
+    would read any file the process can (checked on the text; a symlink inside the directory, as the
+    Hugging Face cache makes, stays allowed)."""
+    if not isinstance(entry, str) or not entry or Path(entry).is_absolute() or ".." in Path(entry).parts:
+        raise ValueError(f"{str(index)!r}: weight_map entry {entry!r} is not a file name inside the model "
+                         "directory (no absolute path, no '..')")
+    return entry
 
 
 def load_state_dict(model_dir, skip=()) -> dict[str, torch.Tensor]:

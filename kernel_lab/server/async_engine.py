@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from kernel_lab.engine.errors import error_param, is_client_error
 from kernel_lab.engine.interface import Engine
 from kernel_lab.engine.outputs import RequestOutput, merge_deltas
 from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -51,7 +52,23 @@ class QueueFull(RuntimeError):
 
 
 class RequestRejected(ValueError):
-    """The engine refused the request in add_request, or later (its grammar failed): HTTP 400."""
+    """The engine refused the request in add_request, or later (its grammar failed, or a value of it failed
+    in a step): HTTP 400. `param` is the request field the engine's error names, if any."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed on this request alone (HTTP 500); it still serves the others."""
+
+
+def request_error(exc: BaseException) -> RequestRejected | RequestFailed:
+    """What the client of a request the engine ended with `exc` is told: its fault (400) or the engine's."""
+    if is_client_error(exc):
+        return RequestRejected(str(exc), error_param(exc))
+    return RequestFailed(f"the engine failed on this request: {exc!r}")
 
 
 class _Tracked:
@@ -77,6 +94,14 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.waiting = True
         self.done = False
+        # set by the engine thread once add_request ran: None (taken) or the refusal
+        self.admission: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def admitted(self) -> None:
+        """Wait until the engine took the request; raise its refusal (RequestRejected, RequestFailed)."""
+        refusal = await self.admission
+        if refusal is not None:
+            raise refusal
 
     def __aiter__(self):
         return self
@@ -111,6 +136,7 @@ class RequestStream:
 
 
 _CLOSED = object()  # queued by RequestStream.close() so a waiting consumer stops
+_ADMITTED = object()  # posted by the engine thread once add_request took a request
 
 
 class AsyncEngine:
@@ -228,6 +254,11 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            if item is _ADMITTED or isinstance(item, BaseException):
+                if not stream.admission.done():
+                    stream.admission.set_result(None if item is _ADMITTED else item)
+                if item is _ADMITTED:
+                    continue
             if stream.waiting:
                 stream.waiting = False
                 self._num_waiting -= 1
@@ -275,14 +306,13 @@ class AsyncEngine:
             _, request_id, prompt_ids, params, arrival = command
             try:
                 engine.add_request(request_id, prompt_ids, params)
-            except ValueError as exc:
-                errors.append((request_id, RequestRejected(str(exc))))
-                return
             except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
-                log.exception("add_request failed for %s", request_id)
-                errors.append((request_id, EngineDead(f"add_request failed: {exc!r}")))
+                if not is_client_error(exc):
+                    log.exception("add_request failed for %s", request_id)
+                errors.append((request_id, request_error(exc)))
                 return
             self._tracked[request_id] = _Tracked(arrival, len(prompt_ids))
+            errors.append((request_id, _ADMITTED))
         elif kind == "abort":
             request_id = command[1]
             tracked = self._tracked.pop(request_id, None)
@@ -329,7 +359,7 @@ class AsyncEngine:
                 continue
             if output.error is not None:
                 del self._tracked[output.request_id]
-                batch.append((output.request_id, RequestRejected(str(output.error))))
+                batch.append((output.request_id, request_error(output.error)))
                 continue
             for completion in output.outputs:
                 new = len(completion.token_ids)

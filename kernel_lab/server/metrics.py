@@ -90,7 +90,7 @@ class ServerMetrics:
         with self.lock:
             self.ttft.observe(ttft_s)
             self.prompt_tokens_total += prompt_tokens
-            self._recent.append((time.monotonic(), prompt_tokens, 0))
+            self._record_recent(prompt_tokens, 0)
 
     def on_tokens(self, new_tokens: int, gap_s: float | None) -> None:
         """`new_tokens` tokens arrived for one sequence, `gap_s` after its previous ones (None for the
@@ -101,7 +101,7 @@ class ServerMetrics:
             self.generation_tokens_total += new_tokens
             if gap_s is not None:
                 self.itl.observe(gap_s / new_tokens, new_tokens)
-            self._recent.append((time.monotonic(), 0, new_tokens))
+            self._record_recent(0, new_tokens)
 
     def on_finished(self, reason: str, e2e_s: float, prompt_tokens: int, generated_tokens: int) -> None:
         with self.lock:
@@ -120,13 +120,22 @@ class ServerMetrics:
             self.engine_stats = engine_stats
             self.engine_steps += 1
 
+    def _record_recent(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """Append to the throughput window and trim it here (under the lock), so it holds THROUGHPUT_WINDOW_S
+        seconds of events whether or not anyone reads /metrics."""
+        now = time.monotonic()
+        self._recent.append((now, prompt_tokens, generated_tokens))
+        self._trim_recent(now)
+
+    def _trim_recent(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+
     # ------------------------------------------------------------------ reading
     def throughput(self) -> tuple[float, float]:
         """(prompt tokens/s, generation tokens/s) over the last THROUGHPUT_WINDOW_S seconds."""
-        now = time.monotonic()
         with self.lock:
-            while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
+            self._trim_recent(time.monotonic())
             prompt = sum(p for _, p, _ in self._recent)
             gen = sum(g for _, _, g in self._recent)
         return prompt / THROUGHPUT_WINDOW_S, gen / THROUGHPUT_WINDOW_S

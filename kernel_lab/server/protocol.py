@@ -9,16 +9,16 @@ echo with logprobs, and any unknown field (one that would change the output and 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from kernel_lab.engine.errors import RequestFieldError
 from kernel_lab.engine.sampling_params import MAX_LOGPROBS, SAMPLING_BOUNDS
 
-from .async_engine import EngineDead, EngineNotReady, QueueFull, RequestRejected
+from .async_engine import EngineDead, EngineNotReady, QueueFull, RequestFailed, RequestRejected
 
 log = logging.getLogger("kernel_lab.server")
 
@@ -44,11 +44,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
-StopField = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
-    | None
-)
+StopField = str | list[str] | None  # their count and lengths: SamplingParams checks them, once
 
 
 class SamplingFields(_Strict):
@@ -58,7 +54,7 @@ class SamplingFields(_Strict):
     top_k: int | None = Field(None, description="vLLM extension", **SAMPLING_BOUNDS["top_k"])
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopField = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    stop_token_ids: list[int] | None = None  # ranges and count: SamplingParams.verify, in the engine
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -183,15 +179,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-_PARAM = re.compile(r"^(?:conflicting structured-output fields )?([a-z_]+(?:\.[a-z_]+)*)\b")
-
-
-def param_named(message: str) -> str | None:
-    """The request field an engine message starts with (its validation messages name the field first)."""
-    match = _PARAM.match(message)
-    return match.group(1) if match else None
-
-
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
@@ -207,10 +194,12 @@ def engine_error(exc: Exception) -> APIError:
             code="rate_limit_exceeded",
             headers={"Retry-After": str(exc.retry_after_s)},
         )
-    if isinstance(exc, RequestRejected):
-        return bad_request(str(exc), param_named(str(exc)))
+    if isinstance(exc, (RequestRejected, RequestFieldError)):  # the engine's refusal names the field itself
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, EngineDead):
         return APIError(500, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
 

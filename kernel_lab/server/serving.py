@@ -19,14 +19,24 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kernel_lab.engine.errors import RequestFieldError, error_param
 from kernel_lab.engine.grammar import GrammarCompileError
 from kernel_lab.engine.interface import Engine
+from kernel_lab.engine.logits_processors import check_token_ids
 from kernel_lab.engine.outputs import CompletionOutput, RequestOutput, merge_deltas
 from kernel_lab.engine.sampling_params import RequestOutputKind, SamplingParams
 from kernel_lab.engine.structured_output import StructuredOutputSpec, parse_structured_output
 
-from .async_engine import AsyncEngine, EngineDead, EngineNotReady, QueueFull, RequestRejected, RequestStream
-from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error, param_named
+from .async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineNotReady,
+    QueueFull,
+    RequestFailed,
+    RequestRejected,
+    RequestStream,
+)
+from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error
 
 log = logging.getLogger("kernel_lab.server")
 
@@ -98,9 +108,11 @@ class OpenAIServing:
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.config.vocab_size
-        if any(t >= vocab for t in ids):
-            raise bad_request(f"{param} holds a token id outside the vocabulary (size {vocab})", param)
+        """For /detokenize, which reaches the tokenizer and not the engine (a request's ids: add_request)."""
+        try:
+            check_token_ids(param, ids, self.engine.config.vocab_size)
+        except RequestFieldError as exc:
+            raise bad_request(str(exc), exc.param) from exc
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
                    prompt_param: str = "prompt") -> int:
@@ -120,7 +132,8 @@ class OpenAIServing:
                         structured: StructuredOutputSpec | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams; a value it refuses is a 400 naming the parameter. `structured`: a
-        spec the endpoint made itself (a forced tool call); else the request's structured-output fields."""
+        spec the endpoint made itself (a forced tool call); else the request's structured-output fields. The
+        checks against the model are the engine's (SamplingParams.verify in add_request; see `submit`)."""
         try:
             if structured is None:
                 structured = parse_structured_output(body.model_dump(exclude_none=True))
@@ -133,10 +146,9 @@ class OpenAIServing:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
                 prompt_logprobs=prompt_logprobs, **controls)
-            params.check_vocab(self.engine.config.vocab_size)
-            return params
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"invalid sampling parameters: {exc}", param_named(str(exc))) from exc
+            raise bad_request(f"invalid sampling parameters: {exc}", error_param(exc)) from exc
+        return params
 
     async def check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar before it is queued (off the event loop and the engine thread, in
@@ -155,17 +167,23 @@ class OpenAIServing:
         except GrammarCompileError as exc:
             raise bad_request(str(exc), spec.param) from exc
 
-    def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float) -> None:
+    async def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float) -> None:
+        """Queue the jobs and wait until the engine took them: the engine's add_request is where a request
+        is checked against the model, once, so its refusal is a 400 before any response (or stream) began."""
         try:
             for job in jobs:
                 job.stream = self.async_engine.submit(f"{request_id}-{job.prompt_index}", job.prompt_ids, params,
                                                       arrival)
-        except Exception as exc:
+            for job in jobs:
+                await job.stream.admitted()
+        except BaseException as exc:  # cancelled too (the client left): nothing of the request stays queued
             for job in jobs:
                 if job.stream is not None:
                     job.stream.close()
             if isinstance(exc, QueueFull):
                 self.async_engine.metrics.on_rejected("queue_full")
+            if not isinstance(exc, Exception):
+                raise
             raise engine_error(exc) from exc
 
     # ---------------------------------------------------------------- whole answers
@@ -255,7 +273,7 @@ class OpenAIServing:
                     yield event
             except APIError as exc:
                 yield sse_event(exc.body())
-            except (EngineDead, RequestRejected, QueueFull, EngineNotReady) as exc:
+            except (EngineDead, RequestRejected, RequestFailed, QueueFull, EngineNotReady) as exc:
                 yield sse_event(engine_error(exc).body())
             except Exception as exc:  # noqa: BLE001 - headers are gone; report in-band
                 log.exception("error while streaming")

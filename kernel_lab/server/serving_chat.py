@@ -44,7 +44,7 @@ class ChatServing(OpenAIServing):
         jobs = [Job(0, ids, None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.check_grammar(params)
-        self.submit(jobs, request_id, params, arrival)
+        await self.submit(jobs, request_id, params, arrival)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id, forced is not None), jobs)
         (outs,) = await self.collect(raw, jobs)

@@ -36,7 +36,7 @@ class CompletionServing(OpenAIServing):
                                       prompt_logprobs=body.logprobs if scoring else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.check_grammar(params)
-        self.submit(jobs, request_id, params, arrival)
+        await self.submit(jobs, request_id, params, arrival)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id), jobs)
         choices = [self._choice(body, job, out) for job, outs in zip(jobs, await self.collect(raw, jobs), strict=True)
@@ -47,8 +47,7 @@ class CompletionServing(OpenAIServing):
         if isinstance(prompt, str):
             ids, text = self.tokenize(prompt, "prompt"), prompt
         else:
-            ids, text = list(prompt), None
-            self.check_token_ids(ids, "prompt")
+            ids, text = list(prompt), None   # their range: the engine's check (see OpenAIServing.submit)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         return Job(index, ids, text)

@@ -303,7 +303,7 @@ def test_bad_requests_raise_clear_errors(engine):
         engine.add_request("empty", "", SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty-ids", [], SamplingParams())
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 49152\)"):
         engine.add_request("bad-ids", [1, 49152], SamplingParams())
     with pytest.raises(TypeError, match="prompt must be"):
         engine.add_request("bad-type", 3.5, SamplingParams())

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernel_lab.engine.block_manager import blocks_needed
+from kernel_lab.engine.errors import RequestFieldError
 from kernel_lab.engine.grammar import GrammarCompileService, StructuredOutputManager, load_xgrammar
 from kernel_lab.engine.interface import EngineStats
 from kernel_lab.engine.logits_processors import bad_words_token_ids
@@ -177,17 +178,13 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: the fake engine has no model to score prompts with")
+            raise RequestFieldError("prompt_logprobs", "the fake engine has no model to score prompts with")
         if request_id in self.ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
-        if any(not 0 <= t < VOCAB_SIZE for t in ids):
-            raise ValueError("prompt token id out of range")
-        params.check_vocab(VOCAB_SIZE)
+            raise RequestFieldError("prompt", "prompt must not be empty")
+        params.verify(VOCAB_SIZE, self.config.max_model_len, ids)   # the engine's one check
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival=0)
         request.controls = params.controls(self.tokenizer.eos_token_ids,
                                            bad_words_token_ids(self.tokenizer, params.bad_words))
@@ -261,16 +258,19 @@ class FakeEngine:
             self.prefix_queries += len(req.prompt_token_ids)
             self.prefix_hits += len(req.prompt_token_ids) // 2
             self.running.append(req)
+        results, failures = [], []
         for req in list(self.running):
             need = self._blocks_needed(req)
             self.free_blocks -= need - self.blocks[req.request_id]
             self.blocks[req.request_id] = need
-            for result in self._sample(req, [seq for seq in req.seqs if not seq.is_finished]):
-                self.output_processor.append_token(result)
-                self.num_generated_tokens += 1
-            out = self.output_processor.make_output(req)
-            if out is not None:
-                outputs.append(out)
+            seqs = [seq for seq in req.seqs if not seq.is_finished]
+            try:
+                results += self._sample(req, seqs)
+            except Exception as exc:  # noqa: BLE001 - this request's values, as in Sampler.sample_each
+                failures += [(seq, exc) for seq in seqs]
+        self.num_generated_tokens += len(results)
+        outputs += self.output_processor.process(results, failures)
+        for req in list(self.running):
             if req.finished:
                 self.running.remove(req)
                 self._free(req)

@@ -31,10 +31,14 @@ async def _stream_step_costs() -> tuple[list[int], str]:
     serving = CompletionServing(async_engine)
     body = CompletionRequest(prompt="hello", stream=True, max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
                              logprobs=2, stop=["never seen"], stream_options={"include_usage": True})
-    events = (await serving.create(body, raw=None)).body_iterator
-    errors: list = []
-    async_engine._apply(engine, async_engine._commands.get_nowait(), errors)  # the engine thread's "add"
-    assert not errors
+    created = asyncio.ensure_future(serving.create(body, raw=None))   # it waits for the engine's admission
+    while async_engine._commands.empty():
+        await asyncio.sleep(0)
+    verdicts: list = []
+    async_engine._apply(engine, async_engine._commands.get_nowait(), verdicts)  # the engine thread's "add"
+    assert not any(isinstance(item, BaseException) for _, item in verdicts)
+    async_engine._deliver(verdicts)
+    events = (await created).body_iterator
     costs, text = [], []
     tracemalloc.start()
     try:
