@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 
-from kernel_lab.cli import add_sampling_arguments, sampling_params
+from kernel_lab.cli import add_sampling_arguments, describe_sampling, sampling_params
 from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
 
 
@@ -45,7 +45,7 @@ def run_generate(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]
         prompt = llm.tokenizer.apply_chat_template(messages) if llm.tokenizer.chat_template_source else args.prompt
-    params = sampling_params(args)
+    params = sampling_params(args, llm.engine.config.sampling_defaults)
     engine = llm.engine
     engine.add_request("generate", prompt, params)
     start = time.perf_counter()
@@ -132,11 +132,12 @@ def run_demo(args) -> int:
 
     engine = LLMEngine(**engine_kwargs(args))
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.num_prompts)]
-    params = sampling_params(args)
+    params = sampling_params(args, engine.config.sampling_defaults)
     panel = _Panel(prompts, sys.stdout)
     config = engine.config
     print(f"{config.model_name} on {config.device.type} ({str(config.dtype).replace('torch.', '')}): "
-          f"{len(prompts)} chats at once, continuous batching, max {engine.scheduler.max_num_seqs} in flight")
+          f"{len(prompts)} chats at once, continuous batching, max {engine.scheduler.max_num_seqs} in flight\n"
+          f"sampling: {describe_sampling(params)} (--greedy for greedy decoding)")
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),

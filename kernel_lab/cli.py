@@ -52,21 +52,52 @@ def _run_env(args) -> int:
     return 0
 
 
+# `generate` and `demo` sample with these where neither a flag nor the model's generation_config.json
+# (--generation-config auto) says otherwise. Greedy decoding of the bundled SmolLM2-135M-Instruct loops on
+# some chats (one of the demo's eight repeats "Echo was tasked with creating a new art piece" until
+# --max-tokens); mild sampling with a repetition penalty does not, on any of the eight, and the fixed seed
+# makes the output the same on every run. --greedy (or --temperature 0) is plain greedy decoding.
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
+CLI_SEED = 0
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
 def add_sampling_arguments(parser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    d = CLI_SAMPLING_DEFAULTS
+    model = " unless the model's generation_config.json sets it"
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"default: {max_tokens}{model}")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"0 = greedy; default: {d['temperature']}{model}")
+    parser.add_argument("--top-p", type=float, default=None, help=f"default: {d['top_p']}{model}")
+    parser.add_argument("--top-k", type=int, default=None, help=f"0 = off; default: {d['top_k']}{model}")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help=f"1 = off; default: {d['repetition_penalty']}{model}")
+    parser.add_argument("--seed", type=int, default=CLI_SEED, help=f"the request's seed (default: {CLI_SEED})")
+    parser.add_argument("--greedy", action="store_true",
+                        help="plain greedy decoding (temperature 0, no repetition penalty); flags given still win")
+    parser.set_defaults(_default_max_tokens=max_tokens)
 
 
-def sampling_params(args, **overrides):
+def sampling_params(args, model_defaults: dict | None = None, **overrides):
+    """The command's SamplingParams: a flag given, else --greedy, else the model's generation_config.json
+    values (EngineConfig.sampling_defaults), else CLI_SAMPLING_DEFAULTS."""
     from kernel_lab.engine import SamplingParams
 
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed)
-    kwargs.update(overrides)
+    kwargs = {**CLI_SAMPLING_DEFAULTS, "max_tokens": args._default_max_tokens, **(model_defaults or {})}
+    if args.greedy:
+        kwargs.update(temperature=0.0, repetition_penalty=1.0)
+    kwargs.update({name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None})
+    kwargs.update(seed=args.seed, **overrides)
     return SamplingParams(**kwargs)
+
+
+def describe_sampling(params) -> str:
+    """One line a user reads to know how the text was drawn."""
+    if params.temperature == 0:
+        head = "greedy"
+    else:
+        head = f"temperature {params.temperature:g}, top_p {params.top_p:g}, top_k {params.top_k}, seed {params.seed}"
+    return f"{head}, repetition_penalty {params.repetition_penalty:g}, max_tokens {params.max_tokens}"
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

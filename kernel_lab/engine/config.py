@@ -14,6 +14,7 @@ from kernel_lab.models.loader import load_config, resolve_model_dir
 from kernel_lab.ops.kv_cache import FP8_DTYPE, SUPPORTED_BLOCK_SIZES, kv_cache_bytes
 
 from .block_manager import blocks_needed
+from .generation_defaults import GENERATION_CONFIG_CHOICES, sampling_defaults
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -89,10 +90,14 @@ class EngineConfig:
     pad_decode_batches: bool = _option(False, "pad decode batches to the CUDA-graph sizes even without graphs")
     weights: str = _option("auto", "CPU, GGUF models: compute on the GGUF's quantized blocks or on float32 copies "
                                    "(auto: quantized where the model and the CPU allow it)", choices=WEIGHT_CHOICES)
+    generation_config: str = _option("auto", "request defaults: auto takes the model's generation_config.json "
+                                             "sampling values where a request sets none; vllm ignores them",
+                                     choices=GENERATION_CONFIG_CHOICES)
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
     model_name: str = field(init=False, default="")
+    sampling_defaults: dict = field(init=False, default_factory=dict)  # from generation_defaults.py
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -102,6 +107,7 @@ class EngineConfig:
             self.hf_config = load_config(self.model_dir)
         self.model_config = config = ModelConfig.from_hf(self.hf_config)
         self.model_name = _model_name(self.model, self.model_dir)
+        self.sampling_defaults = sampling_defaults(self.model_dir, self.generation_config)
 
         for name in ("max_model_len", "max_num_seqs"):
             value = getattr(self, name)

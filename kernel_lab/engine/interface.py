@@ -35,6 +35,7 @@ class ServedModel(Protocol):
 
     model_name: str
     max_model_len: int
+    sampling_defaults: dict            # request defaults from generation_config.json (generation_defaults.py)
 
     @property
     def vocab_size(self) -> int: ...
@@ -43,6 +44,7 @@ class ServedModel(Protocol):
 class EngineTokenizer(Protocol):
     eos_token_ids: set[int]
     has_vocabulary: bool               # token texts exist (grammars can be compiled against them)
+    max_token_chars: int               # the most characters one token decodes to (bounds a prompt's tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

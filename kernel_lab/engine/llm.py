@@ -44,13 +44,18 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams uses: the model's generation_config.json values
+        (--generation-config auto, EngineConfig.sampling_defaults) over SamplingParams' own defaults."""
+        return SamplingParams(**self.engine.config.sampling_defaults)
+
     def _run(self, prompts: list, params) -> list[RequestOutput]:
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
             params_list = list(params)
         else:
-            params_list = [params if params is not None else SamplingParams()] * len(prompts)
+            params_list = [params if params is not None else self.get_default_sampling_params()] * len(prompts)
         ids = []
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
@@ -89,7 +94,8 @@ class LLM:
         if _is_conversation(prompt):
             prompt = self.tokenizer.apply_chat_template(prompt)
         request_id = self._next_id()
-        self.engine.add_request(request_id, prompt, sampling_params)
+        self.engine.add_request(request_id, prompt,
+                                sampling_params if sampling_params is not None else self.get_default_sampling_params())
         done = False
         try:
             while not done:

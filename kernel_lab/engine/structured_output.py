@@ -36,7 +36,9 @@ class StructuredOutputSpec:
 
     kind: "json" (value: the JSON schema, canonical JSON text), "json_object" (value ""), "regex" (the
     pattern), "choice" (a JSON list of the strings) or "grammar" (EBNF text). `strict` applies to "json":
-    no properties or items beyond the schema's. `param` is the request field it came from, for errors.
+    no properties or items beyond the schema's. Strict unless a request says `"strict": false`, for every
+    field that takes a schema (vLLM keeps xgrammar's strict default everywhere; a non-strict grammar lets
+    the model add keys the schema never declared). `param` is the request field it came from, for errors.
     Two specs with equal `key` compile to the same grammar (the compile cache's key)."""
 
     kind: str
@@ -81,10 +83,11 @@ def _choice_text(value, param: str) -> str:
     return json.dumps(list(dict.fromkeys(value)), ensure_ascii=False)  # duplicates dropped, order kept
 
 
-def make_spec(kind: str, value, param: str, strict: bool = True) -> StructuredOutputSpec:
-    """A spec of `kind` from a request value, checked for shape; errors name `param`."""
+def make_spec(kind: str, value, param: str, strict: bool | None = None) -> StructuredOutputSpec:
+    """A spec of `kind` from a request value, checked for shape; errors name `param`. `strict`: what the
+    request said (None: it said nothing, which is strict)."""
     if kind == "json":
-        return StructuredOutputSpec("json", _schema_text(value, param), bool(strict), param)
+        return StructuredOutputSpec("json", _schema_text(value, param), strict is not False, param)
     if kind == "json_object":
         if value is not True:
             raise RequestFieldError(param, f"{param} must be true, got {value!r}")
@@ -116,7 +119,7 @@ def _from_response_format(fmt) -> StructuredOutputSpec | None:
         if strict is not None and not isinstance(strict, bool):
             raise RequestFieldError("response_format.json_schema.strict",
                                     f"response_format.json_schema.strict must be a boolean, got {strict!r}")
-        return make_spec("json", body["schema"], "response_format.json_schema.schema", bool(strict))
+        return make_spec("json", body["schema"], "response_format.json_schema.schema", strict)
     raise RequestFieldError("response_format.type",
                             f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 

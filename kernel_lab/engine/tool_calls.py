@@ -1,17 +1,23 @@
 """Tool calls: the Hermes format for `tool_choice="auto"`, and grammar-forced calls for `required` / a named one.
 
+One parser class per format, `HermesToolParser` and `ForcedToolParser`, serves both answers (vLLM's design:
+one parser object per tool format): `feed(text delta)` returns OpenAI's streamed `delta`s and `finish()` the
+last ones; `parse(text)` is the same parser fed the whole text at once, giving (content, tool_calls). So a
+streamed and a non-streamed answer cannot disagree.
+
 **Hermes** (the format Qwen2.5 / Qwen3 chat templates ask for): the model writes
 `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>`, any number of times,
-with free text around. `parse_hermes_tool_calls(text)` splits a finished output into content and OpenAI
-tool calls; `HermesToolCallStream` does it incrementally, yielding OpenAI's streamed `delta`s: content as it
-arrives (holding back only what could be the start of a tag), then per call one delta with `index`, `id`,
-`type` and the function `name` (arguments ""), then the arguments text in pieces as the model writes it.
+with free text around. Content streams as it arrives (holding back only what could be the start of a tag),
+then per call one delta with `index`, `id`, `type` and the function `name` (arguments ""), then the arguments
+text in pieces as the model writes it. A block that is not a call stays content. A call cut by the end of the
+output keeps the arguments written so far (its finish_reason says "length").
 
 **Forced** (`required`, or `{"type": "function", "function": {"name": ...}}`), as vLLM does it: the output
-is constrained by a JSON schema (`tool_choice_spec`), so it always parses and satisfies the tools' parameter
-schemas: for a named function, the output *is* its arguments object; for `required`, it is a JSON array
-`[{"name": ..., "parameters": {...}}, ...]` of one or more calls (one with parallel_tool_calls=False).
-`forced_tool_calls(text, ...)` turns that output into tool calls and `ForcedToolCallStream` streams them.
+is constrained by a JSON schema (`tool_choice_spec`): for a named function, the output *is* its arguments (any
+JSON value the function's schema allows); for `required`, it is a JSON array
+`[{"name": ..., "parameters": ...}, ...]` of one or more calls (one with parallel_tool_calls=False). Each call
+is sent once its JSON value is complete. Generation can stop before that (a stop string, a length cut, a
+grammar rejection): what did not become a complete call is then content, never an error.
 
 Tool calls are dicts in OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}} with
 `arguments` a JSON string.
@@ -27,7 +33,8 @@ from collections.abc import Callable, Sequence
 from .structured_output import StructuredOutputSpec, make_spec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+_DECODER = json.JSONDecoder()
+_BETWEEN_CALLS = " \n\t\r[,"  # what a `required` array holds around its calls
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -89,17 +96,9 @@ def tool_choice_spec(tools, tool_choice, parallel_tool_calls: bool = True) -> St
     return make_spec("json", schema, "tools")
 
 
-def forced_tool_calls(text: str, tool_choice, id_factory: Callable[[], str] = new_call_id) -> list[dict]:
-    """Tool calls from the output of a `tool_choice_spec` grammar (ValueError if it does not parse)."""
-    name = forced_function(tool_choice)
-    value = json.loads(text)
-    if name is not None:
-        return [tool_call(name, json.dumps(value, ensure_ascii=False), id_factory())]
-    return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False), id_factory()) for c in value]
-
-
-# ------------------------------------------------------------------------------------------- Hermes, whole
-def _call_from_json(body: str, id_factory) -> dict | None:
+# ------------------------------------------------------------------------------------------- Hermes
+def _call_from_json(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a whole Hermes block's JSON, or None when it is not a call."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -107,28 +106,9 @@ def _call_from_json(body: str, id_factory) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return tool_call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-                     id_factory())
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def parse_hermes_tool_calls(text: str, id_factory: Callable[[], str] = new_call_id) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished output. A block that is not a JSON call stays in the content; an
-    unterminated last block (the model stopped before `</tool_call>`) is parsed if it is complete JSON."""
-    calls, content, last = [], [], 0
-    for match in _BLOCK.finditer(text):
-        call = _call_from_json((match.group(1) if match.group(1) is not None else match.group(2)).strip(),
-                               id_factory)
-        if call is None:
-            continue
-        content.append(text[last:match.start()])
-        last = match.end()
-        calls.append(call)
-    content.append(text[last:])
-    joined = "".join(content).strip()
-    return (joined or None), calls
-
-
-# ------------------------------------------------------------------------------------------- streaming
 class _CallScanner:
     """Follows one `{"name": "...", "arguments": {...}}` object as its text grows: reports the name once it
     is complete, then the arguments' text piece by piece, and where the object ends."""
@@ -186,26 +166,36 @@ class _CallScanner:
         return self.text[self.args_from:self.scanned]
 
 
-class _StreamBase:
+class _ToolParser:
+    """What both formats share: the calls so far, the deltas that start and extend them, and the whole
+    answer as the streamed one fed everything at once."""
+
     def __init__(self, id_factory: Callable[[], str] = new_call_id):
         self.id_factory = id_factory
         self.tool_calls: list[dict] = []  # every call started so far, arguments as streamed
 
-    def _emit(self, name: str | None, args: str) -> list[dict]:
-        deltas = []
-        if name is not None:
-            call = tool_call(name, "", self.id_factory())
-            self.tool_calls.append(call)
-            deltas.append({"tool_calls": [{"index": len(self.tool_calls) - 1, "id": call["id"], "type": "function",
-                                           "function": {"name": name, "arguments": ""}}]})
-        if args:
-            self.tool_calls[-1]["function"]["arguments"] += args
-            deltas.append({"tool_calls": [{"index": len(self.tool_calls) - 1, "function": {"arguments": args}}]})
-        return deltas
+    def feed(self, text: str) -> list[dict]:
+        raise NotImplementedError
+
+    def finish(self) -> list[dict]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a whole output: exactly what the streamed deltas add up to."""
+        deltas = self.feed(text) + self.finish()
+        content = "".join(d.get("content", "") for d in deltas).strip()
+        return (content or None), self.tool_calls
+
+    def _whole_call(self, name: str, arguments: str) -> list[dict]:
+        """The one delta of a call sent at once."""
+        call = tool_call(name, arguments, self.id_factory())
+        self.tool_calls.append(call)
+        return [{"tool_calls": [{"index": len(self.tool_calls) - 1, "id": call["id"], "type": "function",
+                                 "function": {"name": name, "arguments": arguments}}]}]
 
 
-class HermesToolCallStream(_StreamBase):
-    """feed(text delta) -> OpenAI deltas; finish() -> the last ones. `tool_calls` holds the calls so far."""
+class HermesToolParser(_ToolParser):
+    """`<tool_call>` blocks in free text (see the module docstring)."""
 
     def __init__(self, id_factory: Callable[[], str] = new_call_id):
         super().__init__(id_factory)
@@ -242,18 +232,25 @@ class HermesToolCallStream(_StreamBase):
             self._pending = self._pending[len(CLOSE):]
         return deltas
 
-    def _close_call(self) -> list[dict]:
+    def _emit(self, name: str | None, args: str) -> list[dict]:
+        deltas = []
+        if name is not None:
+            deltas += self._whole_call(name, "")
+        if args:
+            self.tool_calls[-1]["function"]["arguments"] += args
+            deltas.append({"tool_calls": [{"index": len(self.tool_calls) - 1, "function": {"arguments": args}}]})
+        return deltas
+
+    def _close_call(self, closed: bool = True) -> list[dict]:
+        """closed: the block ended with its tag (not with the output)."""
         scanner, self._call = self._call, None
         if scanner.name is not None:
             return []
         # not in the streamable order (e.g. arguments before name): parse the whole block
-        call = _call_from_json(scanner.text.strip(), self.id_factory)
+        call = _call_from_json(scanner.text.strip())
         if call is None:  # not a tool call after all: it was content
-            return [{"content": OPEN + scanner.text + CLOSE}]
-        self.tool_calls.append(call)
-        fn = call["function"]
-        return [{"tool_calls": [{"index": len(self.tool_calls) - 1, "id": call["id"], "type": "function",
-                                 "function": {"name": fn["name"], "arguments": fn["arguments"]}}]}]
+            return [{"content": OPEN + scanner.text + (CLOSE if closed else "")}]
+        return self._whole_call(*call)
 
     def finish(self) -> list[dict]:
         """Flush at the end of the output: held-back text is content; an unterminated call is closed."""
@@ -262,7 +259,7 @@ class HermesToolCallStream(_StreamBase):
             deltas += self._emit(*self._call.feed(self._pending))
             self._pending = ""
             if self._call.name is None:
-                deltas += self._close_call()
+                deltas += self._close_call(closed=False)
             self._call = None
         elif self._pending:
             deltas.append({"content": self._pending})
@@ -270,40 +267,50 @@ class HermesToolCallStream(_StreamBase):
         return deltas
 
 
-class ForcedToolCallStream(_StreamBase):
-    """The streamed deltas of a `tool_choice_spec`-constrained output (named function, or required)."""
+class ForcedToolParser(_ToolParser):
+    """The output of a `tool_choice_spec` grammar (named function, or required). A call is sent whole, once
+    its JSON value is complete, so a cut output never leaves half a call behind: at finish() the text that
+    did not become a call is content."""
 
     def __init__(self, tool_choice, id_factory: Callable[[], str] = new_call_id):
         super().__init__(id_factory)
         self._name = forced_function(tool_choice)
         self._text = ""
-        self._scanner: _CallScanner | None = None
-        self._consumed = self._fed = 0  # required: where the current call starts; how far it has been fed
+        self._consumed = 0    # required: the end of the last complete call (or of the array)
+        self._closed = False  # required: the array's "]" was read
 
     def feed(self, text: str) -> list[dict]:
-        if self._name is not None:  # the output is the arguments object itself
-            deltas = self._emit(self._name, "") if not self.tool_calls else []
-            return deltas + self._emit(None, text)
-        deltas = []
         self._text += text
+        if self._name is not None or self._closed or "}" not in text:  # only a "}" can complete a call
+            return []
+        deltas = []
         while True:
-            if self._scanner is None:  # between the array's calls: skip "[", ", " and whitespace
-                i = self._consumed
-                while i < len(self._text) and self._text[i] in " \n\t[,":
-                    i += 1
-                self._consumed = self._fed = i
-                if i == len(self._text) or self._text[i] == "]":
-                    return deltas
-                self._scanner = _CallScanner()
-            deltas += self._emit(*self._scanner.feed(self._text[self._fed:]))
-            self._fed = len(self._text)
-            if self._scanner.end is None:
+            i = self._consumed
+            while i < len(self._text) and self._text[i] in _BETWEEN_CALLS:
+                i += 1
+            if i < len(self._text) and self._text[i] == "]":
+                self._consumed, self._closed = i + 1, True
                 return deltas
-            self._consumed += self._scanner.end  # the scanner saw text past its object: the next call's
-            self._scanner = None
+            try:
+                value, end = _DECODER.raw_decode(self._text, i)
+            except json.JSONDecodeError:
+                return deltas
+            if not (isinstance(value, dict) and isinstance(value.get("name"), str) and "parameters" in value):
+                return deltas  # not a call (the grammar keeps this from happening): it stays content
+            deltas += self._whole_call(value["name"], json.dumps(value["parameters"], ensure_ascii=False))
+            self._consumed = end
 
     def finish(self) -> list[dict]:
-        return []
+        if self._name is not None:
+            try:
+                value = json.loads(self._text)
+            except json.JSONDecodeError:
+                return [{"content": self._text}] if self._text else []
+            return self._whole_call(self._name, json.dumps(value, ensure_ascii=False))
+        rest = self._text[self._consumed:]
+        if self._closed or (self.tool_calls and not rest.strip(_BETWEEN_CALLS + "]")):
+            return []
+        return [{"content": rest}] if rest else []
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -23,6 +23,7 @@ and streaming detokenisation.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -270,10 +271,32 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: the longest vocabulary entry. Byte-level entries hold
+        one character per byte, so a token decodes to at most that many characters, and a text of C
+        characters has at least C / max_token_chars tokens (the server bounds prompts with it before
+        tokenizing them). That holds while no normalizer deletes characters: byte-level BPE has none, and
+        the SentencePiece one here only prepends and replaces spaces one for one."""
+        return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True))))
+
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
     # -------------------------------------------------------------------------------------------- chat
+    def set_chat_template(self, source: str) -> None:
+        """Use `source` (Jinja text) in place of the model's template. Compiled now, so a template that
+        does not parse fails here (ValueError) rather than on the first chat."""
+        import jinja2
+
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError("chat template must be non-empty Jinja text")
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not parse: {exc} (line {exc.lineno})") from exc
+        self.chat_template_source, self._chat_template = source, compiled
+
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template_source:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
@@ -328,6 +351,7 @@ class TokenIdsOnly:
     """The tokenizer of a random-weight model: prompts are token ids and nothing is detokenised."""
 
     chat_template_source = None
+    max_token_chars = 1         # encode refuses every text anyway
     all_special_ids: set[int] = set()
     has_vocabulary = False      # no token texts: no grammar can be compiled against it
 

@@ -12,8 +12,12 @@ Both generation routes stream (Server-Sent Events ending in `data: [DONE]`, with
 `stream_options.include_usage`) or answer in one JSON body (schemas and errors: protocol.py). A new endpoint
 is a new module with an OpenAIServing subclass and an `add_routes(app, serving)`, listed in ENDPOINTS.
 
+Tokenizing and chat-template rendering run on a bounded thread pool (preparation.py), never on the event
+loop, so /health and open streams keep answering while a large request is prepared.
+
 Error statuses: 400 malformed JSON / bad parameter / prompt too long, 401 bad key, 404 unknown model or
-route, 429 (with Retry-After) waiting queue full, 500 engine failure, 503 model still loading.
+route, 429 (with Retry-After) waiting queue or preparation pool full, 500 engine failure, 503 model still
+loading.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import serving_chat, serving_completion, serving_tokenization
 from .async_engine import AsyncEngine
+from .preparation import PreparationPool
 from .protocol import APIError, bad_request, engine_error, validation_message
 from .serving import OpenAIServing
 
@@ -85,16 +90,19 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
     """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
     model while the server already answers /health with 503) and stops it on shutdown."""
 
+    preparation = PreparationPool()
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if manage_engine and async_engine.state == "created":
             async_engine.start(asyncio.get_running_loop())
         yield
+        preparation.shutdown()
         if manage_engine:
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="kernel-lab OpenAI-compatible server", lifespan=lifespan)
-    facts = dict(served_model_name=served_model_name, model_path=model_path)
+    facts = dict(served_model_name=served_model_name, model_path=model_path, preparation=preparation)
     for module, serving_class in ENDPOINTS:
         module.add_routes(app, serving_class(async_engine, **facts))
     server = OpenAIServing(async_engine, **facts)

@@ -52,12 +52,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+class ChatTemplateError(ValueError):
+    """--chat-template names a file that cannot be read; `kernel-lab serve` reports it and exits."""
+
+
 def read_chat_template(spec: str | None) -> str | None:
-    """--chat-template: a file's contents, or the text itself (vLLM accepts both)."""
+    """--chat-template: the template text itself when it holds a `{` (every Jinja template does, and a
+    path almost never), else a file to read. The path rule is decided by the text, not by whether a file
+    exists, so a mistyped path is an error instead of a template that renders every chat as the path, and
+    a long inline template never reaches open() (which raises 'File name too long' past 255 bytes)."""
     if spec is None:
         return None
-    path = Path(spec)
-    return path.read_text() if path.is_file() else spec
+    if "{" in spec:
+        return spec
+    try:
+        return Path(spec).expanduser().read_text()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ChatTemplateError(f"--chat-template {spec!r} has no '{{', so it is read as a file path, and that "
+                                f"file cannot be read: {reason}") from None
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"--chat-template file {spec!r} is not UTF-8 text: {exc.reason}") from None
 
 
 def build_server(args):
@@ -76,7 +91,7 @@ def build_server(args):
         log.info("loading the engine: %s", {k: v for k, v in kwargs.items() if v is not None})
         engine = LLMEngine(**kwargs)
         if chat_template is not None:
-            engine.tokenizer.chat_template_source, engine.tokenizer._chat_template = chat_template, None
+            engine.tokenizer.set_chat_template(chat_template)
         return engine
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
@@ -98,7 +113,11 @@ def run_serve(args) -> int:
     if args.max_waiting < 1:
         print("--max-waiting must be at least 1", file=sys.stderr)
         return 2
-    app, async_engine = build_server(args)
+    try:
+        app, async_engine = build_server(args)
+    except ChatTemplateError as exc:
+        print(f"kernel-lab serve: {exc}", file=sys.stderr)
+        return 2
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     )

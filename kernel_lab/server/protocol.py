@@ -8,6 +8,7 @@ echo with logprobs, and any unknown field (one that would change the output and 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,11 @@ from .async_engine import EngineDead, EngineNotReady, QueueFull, RequestFailed, 
 log = logging.getLogger("kernel_lab.server")
 
 MAX_N = 128
+MAX_TOOLS = 128                # OpenAI's own limit on a request's tools
+MAX_TOOLS_CHARS = 262_144      # all tools, serialized: the template renders them into the prompt, and a forced
+                               # tool_choice compiles all of their schemas into one grammar
+MAX_SPEC_CHARS = 65_536        # one structured-output value (a schema, regex, grammar, choice list) serialized:
+                               # it bounds the grammar compile work one request can ask for
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -82,6 +88,14 @@ class SamplingFields(_Strict):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+
+    @field_validator("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+    @classmethod
+    def _spec_size(cls, value):
+        if value is not None and serialized_chars(value) > MAX_SPEC_CHARS:
+            raise ValueError(f"at most {MAX_SPEC_CHARS} characters serialized, got {serialized_chars(value)}")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -149,11 +163,25 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _tools_are_functions(cls, value):
+        check_tools_size(value)
         for tool in value or ():
             if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) \
                     or not isinstance(tool["function"].get("name"), str):
                 raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
         return value
+
+
+def serialized_chars(value) -> int:
+    """The size of a client's value as the server will use it: a string as is, anything else as JSON."""
+    return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+
+
+def check_tools_size(tools) -> None:
+    """A `tools` list's count and serialized size (ValueError: pydantic names the field)."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    if tools is not None and serialized_chars(tools) > MAX_TOOLS_CHARS:
+        raise ValueError(f"at most {MAX_TOOLS_CHARS} characters serialized, got {serialized_chars(tools)}")
 
 
 # ====================================================================== errors

@@ -36,6 +36,7 @@ from .async_engine import (
     RequestRejected,
     RequestStream,
 )
+from .preparation import PreparationPool
 from .protocol import APIError, SamplingFields, StreamOptions, bad_request, engine_error
 
 log = logging.getLogger("kernel_lab.server")
@@ -62,8 +63,9 @@ class Job:
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str | None = None,
-                 model_path: str | None = None):
+                 model_path: str | None = None, preparation: PreparationPool | None = None):
         self.async_engine = async_engine
+        self.preparation = preparation or PreparationPool()  # the app shares one between its endpoints
         self._served_name = served_model_name
         self.model_path = model_path
         self.created = int(time.time())
@@ -101,9 +103,28 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     # ---------------------------------------------------------------- request building
-    def tokenize(self, text: str, param: str) -> list[int]:
+    @property
+    def prompt_char_limit(self) -> int:
+        """The most characters a prompt can have and still fit max_model_len tokens (see
+        Tokenizer.max_token_chars: a text of C characters has at least C / max_token_chars tokens)."""
+        return self.max_model_len * self.tokenizer.max_token_chars
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Before tokenizing (on the loop, it costs nothing): a text that cannot fit is refused without
+        paying for its tokenization, which grows with the text."""
+        if chars > self.prompt_char_limit:
+            raise bad_request(f"{param} has {chars} characters; at most {self.prompt_char_limit} can fit this "
+                              f"model's maximum context length of {self.max_model_len} tokens (a token stands "
+                              f"for at most {self.tokenizer.max_token_chars} characters)", param)
+
+    async def prepare(self, fn, *args):
+        """fn(*args) (tokenizing, rendering a template) on the preparation pool, off the event loop."""
+        return await self.preparation.run(fn, *args)
+
+    def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """On the preparation pool (see prepare); check_prompt_chars first."""
         try:
-            return list(self.tokenizer.encode(text))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer rejects is the client's error
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
@@ -114,8 +135,21 @@ class OpenAIServing:
         except RequestFieldError as exc:
             raise bad_request(str(exc), exc.param) from exc
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json values (--generation-config auto), for fields a request omits."""
+        return self.engine.config.sampling_defaults
+
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
                    prompt_param: str = "prompt") -> int:
+        """The completion's length: the request's, else `default`, else the room left; never past the
+        model's max_new_tokens (vLLM caps even a request's own max_tokens with it)."""
+        chosen = self._max_tokens(prompt_len, requested, default, param, prompt_param)
+        cap = self.sampling_defaults.get("max_tokens")
+        return chosen if cap is None else min(chosen, cap)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str,
+                    prompt_param: str) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
@@ -137,11 +171,20 @@ class OpenAIServing:
         try:
             if structured is None:
                 structured = parse_structured_output(body.model_dump(exclude_none=True))
+            defaults = self.sampling_defaults
             controls = {name: getattr(body, name) for name in _CONTROLS if getattr(body, name) is not None}
+            for name in ("repetition_penalty", "min_p"):
+                if name not in controls and name in defaults:
+                    controls[name] = defaults[name]
+
+            def chosen(name: str, neutral):
+                value = getattr(body, name)
+                return value if value is not None else defaults.get(name, neutral)
+
             params = SamplingParams(
-                n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
-                seed=body.seed, max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                n=body.n, temperature=chosen("temperature", 1.0), top_p=chosen("top_p", 1.0),
+                top_k=chosen("top_k", 0), seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
@@ -161,9 +204,8 @@ class OpenAIServing:
         service = await loop.run_in_executor(None, lambda: self.engine.grammar_service)  # built on first use
         if service is None:
             raise bad_request("this engine has no grammar engine for structured outputs", spec.param)
-        future = service.submit(spec)
         try:
-            await asyncio.wrap_future(future)
+            await self.preparation.wait(service.submit(spec))
         except GrammarCompileError as exc:
             raise bad_request(str(exc), spec.param) from exc
 

@@ -13,14 +13,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from kernel_lab.engine.outputs import CompletionOutput
-from kernel_lab.engine.tool_calls import (
-    ForcedToolCallStream,
-    HermesToolCallStream,
-    forced_tool_calls,
-    parse_hermes_tool_calls,
-    tool_calls_finish_reason,
-    tool_choice_spec,
-)
+from kernel_lab.engine.tool_calls import ForcedToolParser, HermesToolParser, tool_calls_finish_reason, tool_choice_spec
 
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest, bad_request
@@ -34,7 +27,8 @@ class ChatServing(OpenAIServing):
         self.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        ids = self._render(body)
+        self.check_prompt_chars(message_chars(body.messages), "messages")
+        ids = await self.prepare(self._render, body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(len(ids), requested, None, param, prompt_param="messages")
@@ -76,30 +70,30 @@ class ChatServing(OpenAIServing):
             raise bad_request("a forced tool_choice cannot be combined with a structured-output field", "tool_choice")
         return spec
 
+    def _tool_parser(self, body: ChatCompletionRequest, forced: bool) -> ForcedToolParser | HermesToolParser | None:
+        """One parser per choice, for the streamed and the whole answer alike."""
+        if forced:
+            return ForcedToolParser(body.tool_choice)
+        return HermesToolParser() if self._parses_tools(body) else None
+
     def _message(self, body: ChatCompletionRequest, forced: bool, out: CompletionOutput) -> tuple[dict, str | None]:
-        if forced and out.finish_reason == "stop":
-            calls = forced_tool_calls(out.text, body.tool_choice)
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        if self._parses_tools(body) and not forced:
-            content, calls = parse_hermes_tool_calls(out.text)
+        parser = self._tool_parser(body, forced)
+        if parser is not None:
+            content, calls = parser.parse(out.text)
             if calls:
                 return ({"role": "assistant", "content": content, "tool_calls": calls},
                         tool_calls_finish_reason(calls, out.finish_reason))
+        # no call: a forced call cut before its JSON was complete (a stop string, a length cut) is content too
         return {"role": "assistant", "content": out.text}, out.finish_reason
 
     def _render(self, body: ChatCompletionRequest) -> list[int]:
-        tools = body.tools if body.tool_choice != "none" else None
-        return render_messages(self.tokenizer, body.messages, tools, body.chat_template_kwargs)
+        return render_messages(self.tokenizer, body.messages, _rendered_tools(body), body.chat_template_kwargs)
 
     def _stream(self, body: ChatCompletionRequest, jobs: list[Job], request_id: str, forced: bool = False):
         top = body.top_logprobs or 0
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(body.n)]
-        parsers = {}
-        if forced:
-            parsers = {i: ForcedToolCallStream(body.tool_choice) for i in range(body.n)}
-        elif self._parses_tools(body):
-            parsers = {i: HermesToolCallStream() for i in range(body.n)}
+        parsers = {i: self._tool_parser(body, forced) for i in range(body.n)}
 
         def choice(job: Job, out: CompletionOutput, text_offset: int) -> dict:
             logprobs = None
@@ -115,6 +109,18 @@ class ChatServing(OpenAIServing):
             return result
 
         return self.stream(body, jobs, request_id, "chat.completion.chunk", roles, choice)
+
+
+def _rendered_tools(body: ChatCompletionRequest) -> list | None:
+    """The tools the template sees: none with tool_choice "none"."""
+    return body.tools if body.tool_choice != "none" else None
+
+
+def message_chars(messages) -> int:
+    """The characters of the messages' contents: every template renders them (their tokens are at least
+    these characters over Tokenizer.max_token_chars). Tools and tool calls are not counted: a template
+    may leave them out, and protocol.py bounds their size."""
+    return sum(len(m.text()) for m in messages)
 
 
 def render_messages(tokenizer, messages, tools=None, template_kwargs=None, add_generation_prompt=True) -> list[int]:

@@ -27,7 +27,11 @@ class CompletionServing(OpenAIServing):
             raise bad_request("echo with logprobs is not supported when streaming", "echo")
         if body.max_tokens == 0 and not scoring:
             raise bad_request("max_tokens=0 needs echo with logprobs (scoring the prompt)", "max_tokens")
-        jobs = [self._job(i, prompt) for i, prompt in enumerate(_prompt_list(body.prompt))]
+        prompts = _prompt_list(body.prompt)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_prompt_chars(len(prompt), "prompt")
+        jobs = await self.prepare(lambda: [self._job(i, prompt) for i, prompt in enumerate(prompts)])
         longest = max(len(job.prompt_ids) for job in jobs)
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         max_tokens = 0 if explicit and body.max_tokens == 0 else \

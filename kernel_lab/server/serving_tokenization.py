@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from .protocol import ChatMessage, _Strict, bad_request
+from .protocol import ChatMessage, _Strict, bad_request, check_tools_size
 from .serving import OpenAIServing
-from .serving_chat import render_messages
+from .serving_chat import message_chars, render_messages
 
 
 class TokenizeRequest(_Strict):
@@ -23,6 +23,12 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_size(cls, value):
+        check_tools_size(value)
+        return value
+
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
@@ -30,19 +36,18 @@ class DetokenizeRequest(_Strict):
 
 
 class TokenizationServing(OpenAIServing):
-    def tokenize_request(self, body: TokenizeRequest) -> dict:
+    async def tokenize_request(self, body: TokenizeRequest) -> dict:
         self.check_ready()
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            try:
-                ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
-            except Exception as exc:  # noqa: BLE001 - the client's text
-                raise bad_request(f"prompt could not be tokenized: {exc}", "prompt") from exc
+            self.check_prompt_chars(len(body.prompt), "prompt")
+            ids = await self.prepare(self.tokenize, body.prompt, "prompt", body.add_special_tokens is not False)
         else:
-            ids = render_messages(self.tokenizer, body.messages, body.tools, body.chat_template_kwargs,
-                                  body.add_generation_prompt)
+            self.check_prompt_chars(message_chars(body.messages), "messages")
+            ids = await self.prepare(render_messages, self.tokenizer, body.messages, body.tools,
+                                     body.chat_template_kwargs, body.add_generation_prompt)
             if body.add_special_tokens:
                 ids = list(self.tokenizer.encode("", add_special_tokens=True)) + ids
         strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
@@ -58,7 +63,7 @@ class TokenizationServing(OpenAIServing):
 def add_routes(app: FastAPI, serving: TokenizationServing) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return serving.tokenize_request(body)
+        return await serving.tokenize_request(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

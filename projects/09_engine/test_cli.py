@@ -28,6 +28,20 @@ def test_demo_runs_several_chats_and_reports_throughput(reference_only, capsys):
     assert out.count("[0]") >= 1 and "[2]" in out
 
 
+def test_demo_samples_by_default_and_its_text_is_the_same_every_run(reference_only, capsys):
+    def run(*flags):
+        assert main(["demo", "--num-prompts", "3", "--max-tokens", "12", "--device", "cpu",
+                     "--max-model-len", "256", *flags]) == 0
+        out = capsys.readouterr().out
+        return [line for line in out.splitlines() if not re.search(r"tok/s|chats at once", line)], out
+
+    first, out = run()
+    assert "sampling: temperature 0.7, top_p 0.9, top_k 0, seed 0, repetition_penalty 1.1" in out
+    assert run()[0] == first  # the fixed seed: same text every run
+    greedy, out = run("--greedy")
+    assert "sampling: greedy, repetition_penalty 1" in out and greedy != first
+
+
 def test_bench_throughput_writes_json(reference_only, tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--num-prompts", "3", "--input-len", "12", "--output-len", "5",

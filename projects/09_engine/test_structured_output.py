@@ -49,6 +49,16 @@ def test_response_format_variants():
     assert spec.param == "response_format.json_schema.schema"
 
 
+def test_json_schema_is_strict_unless_the_request_says_otherwise():
+    def spec(**extra):
+        return parse_structured_output({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}, **extra}}})
+
+    assert spec().strict and spec(strict=True).strict and not spec(strict=False).strict
+    for body in ({"guided_json": {"type": "object"}}, {"structured_outputs": {"json": {"type": "object"}}}):
+        assert parse_structured_output(body).strict
+
+
 def test_vllm_structured_outputs_and_guided_fields_agree():
     for kind, value in [("json", NESTED_SCHEMA), ("regex", r"\d+"), ("choice", ["a", "b"]),
                         ("grammar", 'root ::= "x"')]:
@@ -179,6 +189,25 @@ def test_json_object_accepts_objects_only(tokenizer, service):
         assert matcher.accept_token(token)
     assert matcher.is_completed() and matcher.accept_token(service.info.stop_token_ids[0])
     assert matcher.is_terminated()
+
+
+def test_a_one_key_schema_without_strict_yields_only_that_key(tokenizer, service, reference_only):
+    from kernel_lab.engine.grammar import SequenceMatcher, fill_step_bitmask
+
+    one_key = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    spec = parse_structured_output({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "one", "schema": one_key}}})
+    for seed in range(8):
+        ids = constrained_sample(service, spec, seed)
+        assert list(json.loads(tokenizer.decode(ids, skip_special_tokens=False))) == ["a"]
+    # after the one key's value only the closing brace may follow: no comma that would open a second key
+    matcher = SequenceMatcher(service.compile(spec))
+    for token in tokenizer.encode('{"a": true', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    bitmask, _ = fill_step_bitmask([matcher])
+    allowed = {t for t in range(service.vocab_size) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+    assert tokenizer.encode("}", add_special_tokens=False)[0] in allowed
+    assert tokenizer.encode(",", add_special_tokens=False)[0] not in allowed
 
 
 def test_the_sampler_check_can_fail(tokenizer, service, reference_only):
@@ -319,7 +348,7 @@ TOOLS = [
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_calls_always_parse_and_satisfy_their_schemas(tokenizer, service, reference_only, tool_choice):
     jsonschema = pytest.importorskip("jsonschema")
-    from kernel_lab.engine.tool_calls import ForcedToolCallStream, forced_tool_calls, tool_choice_spec
+    from kernel_lab.engine.tool_calls import ForcedToolParser, tool_choice_spec
 
     spec = tool_choice_spec(TOOLS, tool_choice)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -327,12 +356,12 @@ def test_forced_tool_calls_always_parse_and_satisfy_their_schemas(tokenizer, ser
     for seed in range(8):
         ids = constrained_sample(service, spec, seed, max_tokens=600)
         text = tokenizer.decode(ids, skip_special_tokens=False)
-        calls = forced_tool_calls(text, tool_choice)
+        _, calls = ForcedToolParser(tool_choice).parse(text)
         assert calls
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
             names.add(call["function"]["name"])
-        stream, pieces = ForcedToolCallStream(tool_choice), []
+        stream, pieces = ForcedToolParser(tool_choice), []
         for k in range(1, len(ids) + 1):  # the text deltas a streaming detokenizer sends
             pieces.append(tokenizer.decode(ids[:k], skip_special_tokens=False)[len("".join(pieces)):])
         streamed = [d for piece in pieces for d in stream.feed(piece)] + stream.finish()

@@ -10,10 +10,8 @@ import random
 import pytest
 
 from kernel_lab.engine.tool_calls import (
-    ForcedToolCallStream,
-    HermesToolCallStream,
-    forced_tool_calls,
-    parse_hermes_tool_calls,
+    ForcedToolParser,
+    HermesToolParser,
     tool_calls_finish_reason,
     tool_choice_spec,
 )
@@ -50,7 +48,7 @@ def collect(deltas):
 
 
 def stream_in_pieces(text, sizes, stream=None):
-    stream = stream or HermesToolCallStream(counter_ids())
+    stream = stream or HermesToolParser(counter_ids())
     deltas, i = [], 0
     for size in itertools.cycle(sizes):
         if i >= len(text):
@@ -61,20 +59,20 @@ def stream_in_pieces(text, sizes, stream=None):
 
 
 def test_whole_output_splits_into_content_and_calls():
-    content, calls = parse_hermes_tool_calls(TEXT, counter_ids())
+    content, calls = HermesToolParser(counter_ids()).parse(TEXT)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"])["city"] == 'Pa"ris}'
     assert calls[0]["id"] == "call_0" and calls[0]["type"] == "function"
-    assert parse_hermes_tool_calls("no calls here") == ("no calls here", [])
+    assert HermesToolParser().parse("no calls here") == ("no calls here", [])
 
 
 def test_unparsable_blocks_stay_content_and_an_unterminated_last_call_counts():
-    content, calls = parse_hermes_tool_calls("a <tool_call>not json</tool_call> b")
+    content, calls = HermesToolParser().parse("a <tool_call>not json</tool_call> b")
     assert calls == [] and content == "a <tool_call>not json</tool_call> b"
-    content, calls = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    content, calls = HermesToolParser().parse('<tool_call>{"name": "f", "arguments": {"x": 1}}')
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
-    _, calls = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    _, calls = HermesToolParser().parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert calls[0]["function"]["arguments"] == '{"x": 1}'  # arguments already a string: kept
 
 
@@ -82,7 +80,7 @@ def test_unparsable_blocks_stay_content_and_an_unterminated_last_call_counts():
 def test_streamed_deltas_reassemble_to_the_whole_parse(sizes):
     deltas, stream = stream_in_pieces(TEXT, sizes)
     content, calls = collect(deltas)
-    _, whole = parse_hermes_tool_calls(TEXT)
+    _, whole = HermesToolParser().parse(TEXT)
     assert content.strip() == "Let me check."
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
     for got, want in zip(calls, whole):
@@ -99,7 +97,7 @@ def test_random_splits_never_leak_tags_into_content():
 
 
 def test_arguments_stream_before_the_call_ends():
-    stream = HermesToolCallStream(counter_ids())
+    stream = HermesToolParser(counter_ids())
     deltas = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert deltas[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
@@ -144,15 +142,15 @@ def test_bad_tool_choices_name_the_field(tools, choice, pattern):
 
 def test_forced_outputs_become_tool_calls_whole_and_streamed():
     named = {"type": "function", "function": {"name": "get_time"}}
-    calls = forced_tool_calls('{"zone": "CET"}', named, counter_ids())
+    calls = ForcedToolParser(named, counter_ids()).parse('{"zone": "CET"}')[1]
     assert calls == [{"id": "call_0", "type": "function", "function": {"name": "get_time",
                                                                       "arguments": '{"zone": "CET"}'}}]
-    _, streamed = collect(stream_in_pieces('{"zone": "CET"}', [2], ForcedToolCallStream(named, counter_ids()))[0])
+    _, streamed = collect(stream_in_pieces('{"zone": "CET"}', [2], ForcedToolParser(named, counter_ids()))[0])
     assert streamed == [{"id": "call_0", "name": "get_time", "arguments": '{"zone": "CET"}'}]
     text = '[{"name": "get_weather", "parameters": {"city": "]}"}}, {"name": "get_time", "parameters": {"zone": "X"}}]'
-    whole = forced_tool_calls(text, "required")
+    _, whole = ForcedToolParser("required").parse(text)
     for sizes in ([1], [4, 9], [len(text)]):
-        _, streamed = collect(stream_in_pieces(text, sizes, ForcedToolCallStream("required"))[0])
+        _, streamed = collect(stream_in_pieces(text, sizes, ForcedToolParser("required"))[0])
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
             (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
 
@@ -161,3 +159,71 @@ def test_finish_reason_is_tool_calls_after_a_call():
     assert tool_calls_finish_reason([{"id": "x"}], "stop") == "tool_calls"
     assert tool_calls_finish_reason([], "stop") == "stop"
     assert tool_calls_finish_reason([{"id": "x"}], "length") == "length"
+
+
+# A valid output for each kind of `parameters` schema a forced call may have: any JSON value.
+FORCED_SCHEMAS = {
+    "object": ({"type": "object", "properties": {"q": {"type": "string"}}}, {"q": "a } ] \" b"}),
+    "any": ({}, {"free": [1, {"x": None}]}),
+    "integer": ({"type": "integer"}, 42),
+    "string": ({"type": "string"}, 'say "}"'),
+    "array": ({"type": "array", "items": {"type": "number"}}, [1.5, -2]),
+    "nested": ({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "array", "items": {"type": "object"}}}}}}, {"a": {"b": [{}, {"c": "]"}]}}),
+}
+
+
+def forced_output(kind: str, choice) -> str:
+    _, value = FORCED_SCHEMAS[kind]
+    if choice == "required":
+        return json.dumps([{"name": "f", "parameters": value}, {"name": "g", "parameters": value}])
+    return json.dumps(value)
+
+
+def streamed_answer(text: str, choice, sizes) -> tuple[str, list]:
+    deltas, _ = stream_in_pieces(text, sizes, ForcedToolParser(choice, counter_ids()))
+    content, calls = collect(deltas)
+    return content.strip(), [(c["name"], c["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("kind", sorted(FORCED_SCHEMAS))
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_calls_streamed_equal_whole_for_every_schema_and_every_cut(kind, choice):
+    schema, value = FORCED_SCHEMAS[kind]
+    tools = [{"type": "function", "function": {"name": n, "parameters": schema}} for n in ("f", "g")]
+    assert tool_choice_spec(tools, choice) is not None  # a schema the forcing grammar takes
+    text = forced_output(kind, choice)
+    content, calls = ForcedToolParser(choice).parse(text)
+    names = ["f", "g"] if choice == "required" else ["f"]
+    assert content is None and [c["function"]["name"] for c in calls] == names
+    assert all(json.loads(c["function"]["arguments"]) == value for c in calls)
+    rng = random.Random(kind)
+    for cut in range(len(text) + 1):  # a stop string, a length cut or a grammar rejection ends it anywhere
+        prefix = text[:cut]
+        content, calls = ForcedToolParser(choice, counter_ids()).parse(prefix)
+        whole = ((content or ""), [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+        for sizes in ([1], [rng.randint(1, 7) for _ in range(5)], [max(cut, 1)]):
+            assert streamed_answer(prefix, choice, sizes) == whole, (prefix, sizes)
+        if choice == "required":
+            assert all(json.loads(arguments) == value for _, arguments in whole[1])  # only complete calls
+        elif _parses(prefix):  # a prefix of a scalar may be a whole value ("4" of 42)
+            assert whole == ("", [("f", json.dumps(json.loads(prefix)))])
+        else:
+            assert whole == (prefix.strip(), []), prefix
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def test_a_cut_required_array_keeps_its_complete_calls_and_the_rest_is_content():
+    text = forced_output("object", "required")
+    cut = text.index('{"name": "g"') + 5
+    content, calls = ForcedToolParser("required").parse(text[:cut])
+    assert [c["function"]["name"] for c in calls] == ["f"] and content == ', {"nam'
+    content, calls = ForcedToolParser("required").parse('[{"name": "f", "param')
+    assert calls == [] and content == '[{"name": "f", "param'

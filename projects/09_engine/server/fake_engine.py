@@ -22,7 +22,7 @@ import random
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,7 @@ class FakeTokenizer:
     eos_token_ids = {EOS}
     has_vocabulary = True
     vocab_size = VOCAB_SIZE
+    max_token_chars = 1  # one character per token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [
@@ -78,6 +79,7 @@ class FakeConfig:
     model_name: str
     max_model_len: int
     vocab_size: int = VOCAB_SIZE
+    sampling_defaults: dict = field(default_factory=dict)  # a generation_config.json's request defaults
 
 
 # Fixed candidate distribution for sampling: characters of the sentence, the first the most likely.
@@ -138,6 +140,7 @@ class FakeEngine:
         script: str | None = None,
         load_delay_s: float = 0.0,
         fail_load: str | None = None,
+        sampling_defaults: dict | None = None,
         **_ignored,
     ):
         if load_delay_s:
@@ -145,7 +148,7 @@ class FakeEngine:
         if fail_load:
             raise RuntimeError(fail_load)
         self.tokenizer = FakeTokenizer()
-        self.config = FakeConfig("fake-model", max_model_len)
+        self.config = FakeConfig("fake-model", max_model_len, sampling_defaults=dict(sampling_defaults or {}))
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks

@@ -347,6 +347,39 @@ def test_forced_tool_call_streams_and_round_trips_through_a_tool_message(live_se
     live_server.wait_idle(30)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("cut, reason", [({"stop": ['"']}, "stop"), ({"max_tokens": 3}, "length")])
+def test_a_forced_call_cut_before_its_json_ends_is_content_streamed_and_whole(live_server, client, model,
+                                                                              tool_choice, cut, reason):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = dict(model=model, messages=ask, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                **{"max_tokens": 60, **cut})
+    choice = client.chat.completions.create(**body).choices[0]  # was a 500 JSONDecodeError
+    assert choice.finish_reason == reason and not choice.message.tool_calls
+    assert choice.message.content
+    pieces, reasons, calls = [], [], []
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for ch in chunk.choices:
+            pieces.append(ch.delta.content or "")
+            calls += ch.delta.tool_calls or []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert reasons == [reason] and calls == [] and "".join(pieces) == choice.message.content
+    live_server.wait_idle(30)
+
+
+def test_a_10_mb_prompt_is_a_400_and_health_answers_meanwhile(live_server):
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, live_server.url + "/v1/completions", headers=headers, timeout=60,
+                              json={"prompt": "hello world " * 900_000, "max_tokens": 2})
+        while not pending.done():
+            start = time.perf_counter()
+            assert httpx.get(live_server.url + "/health").status_code == 200
+            assert time.perf_counter() - start < 2.0
+        response = pending.result()
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+
+
 def test_echo_scoring_returns_a_logprob_for_every_prompt_token_after_the_first(live_server, client, model):
     prompt = "The capital of France is Paris."
     scored = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)

@@ -89,10 +89,39 @@ def test_tokenize_and_detokenize_in_vllms_shapes(fake_server):
 
 
 def test_chat_template_flag_reads_a_file_or_the_text(tmp_path):
-    from kernel_lab.server.launch import read_chat_template
+    from kernel_lab.server.launch import ChatTemplateError, read_chat_template
 
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert read_chat_template(str(path)) == path.read_text()
     assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
     assert read_chat_template(None) is None
+    inline = "{% for m in messages %}" + "{{ m.content }} " * 40 + "{% endfor %}"  # > 255 bytes, no "/"
+    assert len(inline) > 255 and read_chat_template(inline) == inline
+    missing = str(tmp_path / "no_such_file.jinja")
+    for spec, reason in ((missing, "No such file"), ("x" * 300, "too long"), (str(tmp_path), "directory")):
+        with pytest.raises(ChatTemplateError, match="cannot be read") as info:
+            read_chat_template(spec)
+        assert spec in str(info.value) and reason in str(info.value)
+
+
+def test_serve_with_a_missing_chat_template_exits_at_start_up(tmp_path, capsys):
+    pytest.importorskip("uvicorn")
+    from kernel_lab.cli import main
+
+    missing = str(tmp_path / "no_such_file.jinja")
+    assert main(["serve", "--chat-template", missing, "--port", "0"]) == 2
+    assert missing in capsys.readouterr().err
+
+
+def test_a_replacement_chat_template_is_compiled_when_set(bundled_model):
+    from kernel_lab.models.loader import resolve_model_dir
+    from kernel_lab.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_directory(resolve_model_dir(None))
+    tokenizer.apply_chat_template([{"role": "user", "content": "warm the model's own template"}])
+    tokenizer.set_chat_template("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    with pytest.raises(ValueError, match="does not parse"):
+        tokenizer.set_chat_template("{% for m in messages %}")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
