@@ -227,7 +227,7 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + self.structured_outputs.num_waiting_seqs(),
+            num_waiting=len(self.waiting) + len(self.structured_outputs.waiting),   # requests, as the engine counts
             kv_cache_blocks_total=self.num_kv_blocks, kv_cache_blocks_free=self.free_blocks,
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits, num_preemptions=0,
             num_generated_tokens=self.num_generated_tokens,
