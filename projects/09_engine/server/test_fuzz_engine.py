@@ -48,7 +48,7 @@ if PROFILE not in ("ci", "long"):
     raise ValueError(f"KERNEL_LAB_FUZZ_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
 LONG = PROFILE == "long"
 EXAMPLES = {"ids": 400, "structured": 400, "all": 600, "hangups": 200} if LONG else \
-    {"ids": 8, "structured": 12, "all": 8, "hangups": 6}
+    {"ids": 7, "structured": 12, "all": 6, "hangups": 6}
 MAX_TOKENS = (1, 2, 3, 4, 8, 16, 32) if LONG else (1, 2, 3, 4, 6)
 SETTINGS = settings(
     max_examples=1, deadline=None, derandomize=not LONG, database=None, print_blob=True,
@@ -628,15 +628,19 @@ KNOWN_FAULTS = {
     "stop_token_ids_past_the_vocabulary_with_min_tokens": (
         "completions", {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [1000000000]}),
     "top_k_past_int32": ("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 1, "top_k": 2**31}),
-    "bad_words_with_a_lone_surrogate": ("completions", {"prompt": "Hello", "max_tokens": 2, "bad_words": ["\ud800"]}),
+    "bad_words_with_a_lone_surrogate": pytest.param(
+        "completions", {"prompt": "Hello", "max_tokens": 2, "bad_words": ["\ud800"]},
+        marks=pytest.mark.xfail(strict=True, reason="after h31a: a 400 whose message is the tokenizer's "
+                                "('TextInputSequence must be str') and whose param is null; SamplingParams "
+                                "should refuse a bad word that is not valid Unicode, naming bad_words")),
     "forced_tool_call_cut_by_a_stop_string": (
-        "chat", {"messages": USER, "max_tokens": 30, "temperature": 0, "tools": CITY_TOOL,
+        "chat", {"messages": USER, "max_tokens": 12, "temperature": 0, "tools": CITY_TOOL,
                  "tool_choice": "required", "stop": ["city"]}),
     "forced_tool_call_cut_by_max_tokens_streams_like_whole": (
         "chat", {"messages": USER, "max_tokens": 3, "temperature": 0, "tools": CITY_TOOL,
                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
     "forced_tool_call_with_non_object_parameters_streams_like_whole": (
-        "chat", {"messages": USER, "max_tokens": 30, "temperature": 0, "tool_choice": "required",
+        "chat", {"messages": USER, "max_tokens": 12, "temperature": 0, "tool_choice": "required",
                  "tools": [_tool("f", {"enum": [1, 2]})]}),
     "stop_string_before_min_tokens": (
         "completions", {"prompt": "One. Two. Three", "max_tokens": 8, "min_tokens": 6, "stop": ["."],
@@ -644,12 +648,15 @@ KNOWN_FAULTS = {
 }
 
 
-@pytest.mark.parametrize("case", KNOWN_FAULTS)
-def test_known_faults(live, case):
-    route, body = KNOWN_FAULTS[case]
+@pytest.mark.parametrize("route,body", list(KNOWN_FAULTS.values()),
+                         ids=list(KNOWN_FAULTS))
+def test_known_faults(live, route, body):
     run_example(live, route, body, compare=True)
 
 
+@pytest.mark.xfail(strict=True, reason="unowned: when the grammar rejects the sampled token (allowed_token_ids "
+                   "left it no legal one), the output processor ends the sequence with finish_reason 'stop', so an "
+                   "output that does not match its regex reads as a normal, matching answer")
 def test_a_grammar_that_allowed_token_ids_contradict_does_not_claim_a_match(live):
     """allowed_token_ids leaves the regex no legal token: the answer may be cut, but a choice that says it
     stopped normally must match its constraint."""
