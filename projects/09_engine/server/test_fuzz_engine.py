@@ -48,7 +48,7 @@ if PROFILE not in ("ci", "long"):
     raise ValueError(f"KERNEL_LAB_FUZZ_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
 LONG = PROFILE == "long"
 EXAMPLES = {"ids": 400, "structured": 400, "all": 600, "hangups": 200} if LONG else \
-    {"ids": 7, "structured": 12, "all": 6, "hangups": 6}
+    {"ids": 10, "structured": 16, "all": 8, "hangups": 6}
 MAX_TOKENS = (1, 2, 3, 4, 8, 16, 32) if LONG else (1, 2, 3, 4, 6)
 SETTINGS = settings(
     max_examples=1, deadline=None, derandomize=not LONG, database=None, print_blob=True,
