@@ -19,7 +19,8 @@ At the end of each sweep `/metrics` reports an idle pool (`kv_cache_usage_perc` 
 
 Profiles (KERNEL_LAB_FUZZ_PROFILE):
 - `ci` (default): derandomized, a fixed number of examples, the whole file in under 3 minutes on a 2-core CPU;
-- `long`: random seeds, many more examples and longer answers, to run by hand:
+- `long`: random seeds, 2,600 examples and longer answers (tens of minutes: its first sweep of 400 took
+  most of 11 minutes), to run by hand:
       KERNEL_LAB_FUZZ_PROFILE=long python -m pytest -q projects/09_engine/server/test_fuzz_engine.py
 """
 
