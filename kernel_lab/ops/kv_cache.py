@@ -170,6 +170,8 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
 def _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     num_blocks, block_size, heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     input_dtypes = FLOAT_DTYPES if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    if not k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16):
+        input_dtypes = (torch.float32, k_cache.dtype)  # CPU float32 activations over 16-bit pages (rounded)
     check_tensor("key", key, dtypes=input_dtypes, ndim=3)
     check_tensor("value", value, dtypes=(key.dtype,), ndim=3)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1)
