@@ -12,7 +12,8 @@ x86-64 machine with AVX-512 (and the ones below it elsewhere). What is checked:
   and a head_dim that leaves a remainder for every vector width;
 - the fused RoPE + write + attention call on 16-bit pages;
 - batch invariance, bit for bit within a format;
-- the public op runs the C kernel for float32 q over 16-bit pages.
+- the public op runs the C kernel for float32 q over 16-bit pages, and write_kv (the path without the C
+  kernels) rounds float32 rows into them as torch does.
 """
 
 from __future__ import annotations
@@ -288,3 +289,20 @@ def test_public_op_runs_the_c_kernel_on_half_pages(dtype, monkeypatch):
     fallback = paged_decode_attention(q, kh, vh, tables, lens)
     assert fallback.dtype == torch.float32
     assert float((fallback - reference).abs().max()) <= 1e-5 * max(float(reference.abs().max()), 1.0)
+
+
+@pytest.mark.parametrize("dtype", HALF_FORMATS, ids=str)
+def test_write_kv_rounds_float32_rows_into_half_pages(dtype):
+    """The engine's path without the C kernels: write_kv stores float32 rows into 16-bit CPU pages, rounded
+    as torch rounds (nearest even), at the given slots only."""
+    from kernel_lab.ops import allocate_kv_cache, write_kv
+
+    k_cache, v_cache, _, _ = allocate_kv_cache(4, 16, 2, 8, dtype, "cpu")
+    key, value = randn((5, 2, 8), torch.float32, "cpu", 11), randn((5, 2, 8), torch.float32, "cpu", 12)
+    slots = torch.tensor([3, 17, 18, 40, 63])
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 2, 8)[slots].view(torch.int16), key.to(dtype).view(torch.int16))
+    assert torch.equal(v_cache.view(-1, 2, 8)[slots].view(torch.int16), value.to(dtype).view(torch.int16))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not bool(k_cache.view(-1, 2, 8)[untouched].any())
