@@ -19,7 +19,10 @@ from .generation_defaults import GENERATION_CONFIG_CHOICES, sampling_defaults
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-_KV_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": FP8_DTYPE,
+              "fp8_e4m3": FP8_DTYPE}
+# Named in issue 35 but with no kernel on either device yet: refused by name rather than as unknown.
+_KV_DTYPES_WITHOUT_KERNEL = ("int8",)
 WEIGHT_CHOICES = ("auto", "quantized", "float32")
 
 
@@ -54,6 +57,27 @@ def resolve_dtype(dtype, device: torch.device, hf_config: dict) -> torch.dtype:
     return resolved
 
 
+def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The page dtype for `name` (already one of 'auto' and _KV_DTYPES), refused where no kernel reads it: on
+    CPU the C kernel reads float32, float16 and bfloat16 pages under float32 activations (fp8 pages only
+    through the PyTorch reference, so they are refused); on CUDA the kernel reads pages of the activation
+    dtype or fp8."""
+    if name == "auto":
+        return dtype
+    resolved = _KV_DTYPES[name]
+    if device.type == "cpu":
+        if resolved == FP8_DTYPE:
+            raise ValueError(f"kv_cache_dtype {name!r} has no CPU attention kernel (the CPU kernel reads float32, "
+                             "float16 and bfloat16 pages); use it with device='cuda'")
+        if resolved != dtype and dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype {name!r} under dtype {dtype}: the CPU kernel reads 16-bit pages "
+                             "under float32 activations only; use dtype='float32' or kv_cache_dtype='auto'")
+    elif resolved != dtype and resolved != FP8_DTYPE:
+        raise ValueError(f"kv_cache_dtype {name!r} under dtype {dtype}: the CUDA kernel reads pages of the "
+                         "activation dtype or fp8; use 'auto' or 'fp8'")
+    return resolved
+
+
 def _option(default, help_text: str, choices=None):
     """A field that is also a command-line flag (arg_utils.add_engine_arguments)."""
     return field(default=default, metadata={"help": help_text, "choices": choices})
@@ -79,8 +103,10 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "sequences running at once")
     max_num_batched_tokens: int | None = _option(None, "tokens per step (default: max(2048, max_num_seqs))")
     block_size: int = _option(16, "tokens per KV-cache block", choices=SUPPORTED_BLOCK_SIZES)
-    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache dtype (auto: the activation dtype)",
-                                                choices=("auto", *_KV_DTYPES))
+    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache page dtype (auto: the activation dtype). CPU: "
+                                                        "float32, float16 or bfloat16 pages under float32 "
+                                                        "activations; CUDA: the activation dtype or fp8",
+                                                choices=("auto", *_KV_DTYPES, *_KV_DTYPES_WITHOUT_KERNEL))
     enable_prefix_caching: bool = _option(True, "share the KV blocks of common prompt prefixes")
     device: str | torch.device = _option("auto", "auto | cpu | cuda")
     num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: what the memory budget holds)")
@@ -123,8 +149,11 @@ class EngineConfig:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}), "
                              f"got {self.max_num_batched_tokens!r}")
+        if self.kv_cache_dtype in _KV_DTYPES_WITHOUT_KERNEL:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} has no attention kernel yet on any device")
         if self.kv_cache_dtype not in ("auto", *_KV_DTYPES):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {tuple(_KV_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
@@ -133,7 +162,7 @@ class EngineConfig:
 
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
-        self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.device, self.dtype)
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < self.blocks_per_seq):
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must hold at least one sequence of "

@@ -13,7 +13,7 @@ import torch
 
 from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, PrefillChunk
 from kernel_lab.models.layers.linear import QuantizedLinear
-from kernel_lab.ops.cpu_kernels import load_library
+from kernel_lab.ops.cpu_kernels import KV_FORMATS, load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
 from kernel_lab.ops.kv_cache import FP8_DTYPE, check_slot_values
 from kernel_lab.ops.paged_attention import check_table_values
@@ -65,7 +65,8 @@ class ModelRunner:
         # quantized weights turn that into visibly different logits. The cost is small next to the linear
         # layers on a CPU; on CUDA, prefill keeps SDPA's flash kernel.
         self.quantized_weights = any(isinstance(m, QuantizedLinear) for m in model.modules())
-        self.prompt_tokens_decode = (device.type == "cpu" and config.dtype == config.kv_cache_dtype == torch.float32
+        self.prompt_tokens_decode = (device.type == "cpu" and config.dtype == torch.float32
+                                     and config.kv_cache_dtype in KV_FORMATS
                                      and load_library() is not None and load_library("norm_activation") is not None)
 
         self.max_num_seqs = config.max_num_seqs

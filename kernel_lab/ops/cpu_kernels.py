@@ -15,8 +15,9 @@ AVX2 machine's build (no AVX-512, no VNNI), `scalar` the C fallback loops (no AV
 default) all this CPU has. An AVX-512 machine can so test and benchmark the paths an AVX2 one takes; such a
 run emulates the ISA choice on this machine, not an AVX2 machine's clocks, caches or memory.
 
-Each source is its own library: `paged_decode_attention.c` (single-threaded; also the engine's one-call layer
-attention with RoPE and the KV write), `gguf_linear.c` (quantized GGUF weights, its own small pthread pool),
+Each source is its own library: `paged_decode_attention.c` (single-threaded; float32, float16 or bfloat16 KV
+pages, `KV_FORMATS`; also the engine's one-call layer attention with RoPE and the KV write), `gguf_linear.c`
+(quantized GGUF weights, its own small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
 projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
 06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
@@ -57,9 +58,14 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-t
           "-fPIC", "-pthread")
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# The cache dtypes the paged attention kernel reads (q and out are float32), as its kv_format numbers
+# (kv_half.h's enum).
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
 _PAGED_DECODE_ARGTYPES = [
     _ptr, _i64, _i64,                    # q, q_stride_b, q_stride_h
-    _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
+    _ptr, _ptr, _int,                    # k_cache, v_cache, kv_format
+    _i64, _i64, _i64,                    # cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # batch, num_q_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, _int,                # scale, window (0: none)
@@ -68,7 +74,8 @@ _PAGED_DECODE_ARGTYPES = [
 
 _ROPE_WRITE_ATTENTION_ARGTYPES = [
     _ptr, _i64, _ptr, _ptr, _ptr,        # qkv, qkv_stride, cos_rows, sin_rows, slots
-    _ptr, _ptr, _i64, _i64, _i64,        # k_cache, v_cache, cache strides: block, token, head
+    _ptr, _ptr, _int,                    # k_cache, v_cache, kv_format
+    _i64, _i64, _i64,                    # cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # tokens, num_q_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, _int, _ptr,          # scale, window (0: none), out
@@ -183,8 +190,11 @@ def build(cc: str, source: Path | None = None, extra_flags: tuple[str, ...] = ()
 # entry point -> (argtypes, restype), per library
 _SIGNATURES = {
     "paged_decode_attention": {
-        "kl_paged_decode_attention_f32": (_PAGED_DECODE_ARGTYPES, ctypes.c_int),
-        "kl_rope_write_paged_attention_f32": (_ROPE_WRITE_ATTENTION_ARGTYPES, ctypes.c_int),
+        "kl_paged_decode_attention": (_PAGED_DECODE_ARGTYPES, ctypes.c_int),
+        "kl_rope_write_paged_attention": (_ROPE_WRITE_ATTENTION_ARGTYPES, ctypes.c_int),
+        "kl_paged_attention_isa": ([], ctypes.c_char_p),
+        # kv_format, src, n, dst
+        "kl_store_kv_row": ([_int, _ptr, _i64, _ptr], None),
     },
     "gguf_linear": {
         # type, w, n, k, x, m, ldx, y, ldy, threads
@@ -250,20 +260,24 @@ def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, .
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                               out: torch.Tensor, window: int = 0) -> bool:
+                               out: torch.Tensor, window: int = 0, library: ctypes.CDLL | None = None) -> bool:
     """Run the C kernel into `out` if it applies; False (nothing written) means: use the reference.
 
     Inputs are assumed validated (`paged_attention._validate` and the table value checks; the kernel reads
-    whatever the tables point at): it applies to CPU float32 q, caches and out, each contiguous in its last
-    dimension, K and V with the same strides, int32 tables and lengths. `window` > 0: sliding-window
-    attention over each sequence's last `window` tokens (0: the whole sequence).
+    whatever the tables point at): it applies to CPU float32 q and out, caches of one KV_FORMATS dtype, each
+    contiguous in its last dimension, K and V with the same strides, int32 tables and lengths. `window` > 0:
+    sliding-window attention over each sequence's last `window` tokens (0: the whole sequence). `library`:
+    a build to run instead of the default one (the tests' narrowed ISA builds).
     """
     tensors = (q, k_cache, v_cache, out)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+    if any(t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
         return False
-    if k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+    if q.dtype != torch.float32 or out.dtype != torch.float32 or k_cache.dtype not in KV_FORMATS:
         return False
-    lib = load_library()
+    if (k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32
+            or seq_lens.dtype != torch.int32):
+        return False
+    lib = library or load_library()
     if lib is None:
         return False
     # Contiguous int32 copies if needed; the locals keep every tensor alive for the duration of the call.
@@ -271,9 +285,9 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     lens = seq_lens.contiguous()
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.kl_paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    status = lib.kl_paged_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
         out.data_ptr(), out.stride(0), out.stride(1))
@@ -281,26 +295,30 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
 
 
 def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_cache, block_tables, seq_lens,
-                                   num_q_heads: int, scale: float, out: torch.Tensor, window: int = 0) -> None:
-    """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention_f32):
-    RoPE on q and k, K and V into the cache at `slots`, attention into `out` [tokens, num_q_heads * head_dim],
-    over each row's last `window` tokens when `window` > 0.
+                                   num_q_heads: int, scale: float, out: torch.Tensor, window: int = 0,
+                                   library: ctypes.CDLL | None = None) -> None:
+    """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention):
+    RoPE on q and k, K and V into the cache at `slots` (rounded to nearest even into 16-bit pages),
+    attention into `out` [tokens, num_q_heads * head_dim], over each row's last `window` tokens when
+    `window` > 0. `library`: as paged_decode_attention_cpu's.
 
-    No checks: the caller holds what `models/attention.py` documents (float32 everywhere, qkv and out dense
-    rows, cos/sin rows contiguous, tables and slots checked once for the step, the library loaded)."""
-    lib = load_library()
+    No checks: the caller holds what `models/attention.py` documents (float32 activations, a KV_FORMATS
+    cache, qkv and out dense rows, cos/sin rows contiguous, tables and slots checked once for the step, the
+    library loaded)."""
+    lib = library or load_library()
     if lib is None:
         raise RuntimeError("the CPU kernels are unavailable (disabled by KERNEL_LAB_CPU_KERNELS=0, or the "
                            "build failed): the fused CPU decode attention has no reference fallback")
     tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    status = lib.kl_rope_write_paged_attention_f32(
+    status = lib.kl_rope_write_paged_attention(
         qkv.data_ptr(), qkv.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, out.data_ptr())
     if status != 0:
-        raise MemoryError("kl_rope_write_paged_attention_f32 could not allocate its scratch buffer")
+        raise MemoryError("kl_rope_write_paged_attention could not allocate its scratch buffer")
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -11,8 +11,9 @@ Contract (shared with the engine)
   and KV head. A stored element means `float(fp8) * scale`. A fresh cache has every scale at 0.0: the page
   holds no data yet.
 - `write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`: key/value
-  `[tokens, num_kv_heads, head_dim]`; `slot_mapping` int64 `[tokens]` = `block * block_size + offset`;
-  a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
+  `[tokens, num_kv_heads, head_dim]` in the cache's dtype (any float dtype for fp8; float32 also into
+  fp16/bf16 CPU pages, rounded to nearest even); `slot_mapping` int64 `[tokens]` = `block * block_size +
+  offset`; a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
 
 FP8 write policy: every page scale `write_kv` writes is the smallest power of two >= amax / 448 (at least
 2**-126) over everything the page and head has received; a page whose scale grows is requantised once, and
@@ -170,6 +171,8 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
 def _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     num_blocks, block_size, heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     input_dtypes = FLOAT_DTYPES if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    if not k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16):
+        input_dtypes = (torch.float32, k_cache.dtype)  # CPU float32 activations over 16-bit pages (rounded)
     check_tensor("key", key, dtypes=input_dtypes, ndim=3)
     check_tensor("value", value, dtypes=(key.dtype,), ndim=3)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1)

@@ -8,7 +8,8 @@ Contract
   of a fused QKV output works). num_q_heads is a multiple of num_kv_heads (MHA, GQA, MQA): query head h
   reads KV head `h // (num_q_heads // num_kv_heads)`.
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]` (see `kv_cache.py`), the same
-  dtype as q, or `torch.float8_e4m3fn` with float32 `k_scale`/`v_scale` `[num_blocks, num_kv_heads]`
+  dtype as q, float16 or bfloat16 pages under a float32 q on CPU, or `torch.float8_e4m3fn` with float32
+  `k_scale`/`v_scale` `[num_blocks, num_kv_heads]`
   (stored value = `float(fp8) * scale`).
 - `block_tables`: int32 `[batch, max_blocks_per_seq]`; token t of sequence b is at block
   `block_tables[b, t // block_size]`, offset `t % block_size`. Blocks may be anywhere, in any order, and
@@ -26,10 +27,11 @@ Contract
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
   layers) passes False.
 
-Dispatch: CPU float32 q and caches run the plain-C kernel `kernel_lab/csrc/cpu/paged_decode_attention.c`
-(built on first use by `cpu_kernels.py`; it reads each page in place, once, with an online softmax, and
-trusts the table values, so `validate=False` is for tables already checked). Other CPU inputs (fp16, bf16,
-an fp8 cache), or any without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, run
+Dispatch: CPU float32 q with float32, float16 or bfloat16 caches run the plain-C kernel
+`kernel_lab/csrc/cpu/paged_decode_attention.c` (built on first use by `cpu_kernels.py`; it reads each page in
+place, once, with an online softmax, widening 16-bit pages in registers, and trusts the table values, so
+`validate=False` is for tables already checked). Other CPU inputs (fp16 or bf16 q, an fp8 cache), or any
+without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, run
 `paged_decode_attention_reference` (materialising, float32 softmax). CUDA tensors run the CUDA C++ kernel
 in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
 fp32 q is refused on CUDA.
@@ -273,8 +275,10 @@ def kernel_model(q, k_cache, v_cache, block_tables, seq_lens, scale=None, k_scal
 def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, out, sliding_window=None):
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     num_blocks, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
-    if k_cache.dtype != FP8_DTYPE and k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache must have q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}")
+    half_pages = not q.is_cuda and q.dtype == torch.float32 and k_cache.dtype in HALF_DTYPES
+    if k_cache.dtype != FP8_DTYPE and k_cache.dtype != q.dtype and not half_pages:
+        raise TypeError(f"k_cache must have q's dtype ({q.dtype}), float8_e4m3fn, or on CPU under a float32 q "
+                        f"float16 or bfloat16, got {k_cache.dtype}")
     batch, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q head_dim (dim 2) must match the cache's head_dim {head_dim}, "
@@ -360,7 +364,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         check_table_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
-        if q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        if q.dtype == torch.float32 and k_cache.dtype != FP8_DTYPE:
             from .cpu_kernels import paged_decode_attention_cpu
 
             result = out if out is not None else torch.empty(q.shape, dtype=q.dtype)

@@ -277,7 +277,7 @@ def rope64(x, cos, sin):
 @pytest.mark.parametrize("window", [None, 2, "block+2"])
 def test_c_fused_rope_write_attention_matches_float64(c_kernel, num_q_heads, num_kv_heads, head_dim,
                                                       block_size, window):
-    """The engine's one-call CPU layer attention (kl_rope_write_paged_attention_f32): three prompt tokens of
+    """The engine's one-call CPU layer attention (kl_rope_write_paged_attention): three prompt tokens of
     one sequence after a cached prefix (each sees the ones before it, written in the same call), a decode
     token of another, and a padding row (slot -1, length 0) that must neither write nor read. With a sliding
     window each row sees the last `window` tokens of its own length (the prompt rows' windows differ)."""
@@ -658,7 +658,7 @@ def _with(**changes):
 
 BAD_INPUTS = [
     (lambda a: _with(q=a["q"].int()), TypeError, "q must have dtype"),
-    (lambda a: _with(q=a["q"].float()), TypeError, "k_cache must have q's dtype"),
+    (lambda a: _with(q=a["q"].bfloat16()), TypeError, "k_cache must have q's dtype"),  # fp32 q: 16-bit pages run
     (lambda a: _with(v_cache=a["v_cache"].float()), TypeError, "v_cache must have dtype"),
     (lambda a: _with(q=a["q"][:, :3]), ValueError, "multiple of the cache's num_kv_heads"),
     (lambda a: _with(q=a["q"][..., :32]), ValueError, "q head_dim"),

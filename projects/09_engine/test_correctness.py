@@ -8,7 +8,7 @@ PyTorch reference path.
   output. Decode-only steps take the padded static path that CUDA graphs replay.
 - Tokenisation and chat template parity with transformers' tokenizer for the exported directory.
 - Sampling semantics (stop strings, stop token ids, EOS, max_tokens, n, logprobs, seeds, streaming),
-  abort, max_model_len, and the fp8 KV cache staying close to fp32.
+  abort, max_model_len, and the fp8 KV cache refused on CPU (no kernel reads it there).
 """
 
 from __future__ import annotations
@@ -355,23 +355,12 @@ def test_bad_models_raise_clear_errors(tmp_path, model_dir):
 
 
 # ------------------------------------------------------------------------------------------------ fp8 KV
-def test_fp8_kv_cache_runs_and_stays_close_to_fp32(reference_only, engine_run, engine):
-    fp8 = LLMEngine(None, **{**ENGINE_KWARGS, "kv_cache_dtype": "fp8"})
-    assert fp8.runner.k_cache.dtype == torch.float8_e4m3fn and fp8.runner.kv_scales is not None
-    final, _ = engine_run
-    chosen = [0, 1, 2, 5, 10, 12, 14, 16]  # short and long prompts, with prefix-cache hits among them
-    llm = LLM.from_engine(fp8)
-    outs = llm.generate([PROMPTS[i] for i in chosen], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    agree = []
-    for i, out in zip(chosen, outs, strict=True):
-        ours, ref = out.outputs[0].token_ids, final[f"p{i}"].outputs[0].token_ids[:32]
-        agree.append(next((k for k in range(32) if ours[k] != ref[k]), 32))
-    # E4M3 keeps 3 mantissa bits (up to ~6% error per element), so a greedy stream eventually leaves the
-    # fp32 one; it must follow it for most of its tokens on average, and entirely for some prompts.
-    assert sum(agree) / (32 * len(chosen)) >= 0.5, agree
-    assert sum(a == 32 for a in agree) >= 2, agree
-    assert bool((fp8.runner.kv_scales > 0).any())  # the decode steps really read scaled fp8 pages
-    assert fp8.stats()["kv_cache_blocks_free"] == fp8.stats()["kv_cache_blocks_total"]
+def test_fp8_kv_cache_is_refused_on_cpu():
+    """fp8 pages have no CPU attention kernel (only the PyTorch reference reads them there), so a CPU engine
+    refuses them by name (issue 35); the fp8 engine path is tested on CUDA (test_gpu.py), and 16-bit CPU
+    pages in test_kv_cache_dtype.py."""
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' has no CPU attention kernel"):
+        LLMEngine(None, **{**ENGINE_KWARGS, "kv_cache_dtype": "fp8"})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 257])

@@ -1,4 +1,6 @@
-/* Paged decode attention on the CPU, float32: one query token per sequence over a block-table KV cache.
+/* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
+ * block-table KV cache of float32, float16 or bfloat16 pages (`kv_format`, kv_half.h: 16-bit rows widen in
+ * registers, every sum is float32).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -23,6 +25,7 @@
 #include <string.h>
 
 #include "exp_nonpositive.h"
+#include "kv_half.h"
 
 /* Tokens whose scores (and V contributions) are computed together: four dot products in one loop give the
  * FMA units four independent chains instead of one latency-bound chain, and an accumulator row is loaded
@@ -72,29 +75,33 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
  * miss buffers and stall the loads this pass needs. Call i of n prefetches the i-th of n equal parts of the
  * next page's rows [lo, min(hi, tokens)), so the lines are requested in address order, which the hardware
  * prefetchers build on (measured: about 20% faster than the same lines in KV-head order). */
-static inline void prefetch_part(const float *page, int64_t stride_token, int lo, int hi, int tokens, int i,
-                                 int n) {
+static inline void prefetch_part(const char *page, int64_t stride_token, int lo, int hi, int tokens, int i,
+                                 int n) { /* stride_token in bytes */
     hi = hi < tokens ? hi : tokens;
     if (lo >= hi) return;
     const int64_t begin = lo * stride_token, size = (hi - lo) * stride_token;
     const int64_t first = begin + size * i / n, end = begin + size * (i + 1) / n;
-    const int64_t line = 64 / sizeof(float);
+    const int64_t line = 64;
     for (int64_t f = first / line * line; f < end; f += line) PREFETCH(page + f);
 }
 
 /* The first position a query at position len - 1 attends: len - W with a window W > 0, else 0. */
 static inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
 
-/* Inlined twice (see the entry point): for head_dim 64 with constant trip counts (no remainder code, a
- * 64-wide row's accumulators stay in registers: about 25% less compute), and for any head_dim. */
+/* Inlined per page format twice (see the entry point): for head_dim 64 with constant trip counts (no
+ * remainder code, a 64-wide row's accumulators stay in registers: about 25% less compute), and for any
+ * head_dim. Cache strides arrive in elements and are turned into bytes here, once. */
 static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_t q_stride_h,
-                                      const float *k_cache, const float *v_cache, int64_t cache_stride_block,
-                                      int64_t cache_stride_token, int64_t cache_stride_head,
+                                      const void *k_cache, const void *v_cache, int format,
+                                      int64_t cache_stride_block, int64_t cache_stride_token,
+                                      int64_t cache_stride_head,
                                       const int32_t *block_tables, int64_t table_stride,
                                       const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
                                       int head_dim, int block_size, float scale, int window, float *out,
                                       int64_t out_stride_b, int64_t out_stride_h) {
     const int group = num_q_heads / num_kv_heads;
+    const int64_t element = format == KV_F32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    cache_stride_block *= element, cache_stride_token *= element, cache_stride_head *= element;
     const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int64_t score_row = ((int64_t)block_size + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     /* Per query head: scaled query and V accumulator rows, a page of scores, and four scalars. */
@@ -140,8 +147,8 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             const int hi = len < (page_idx + 1) * block_size ? len : (page_idx + 1) * block_size;
             const int tokens = hi - lo;
             const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
-            const float *k_page = k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
-            const float *v_page = v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
+            const char *k_page = (const char *)k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
+            const char *v_page = (const char *)v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
             /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
              * entries past a sequence's last page may be padding, so only used entries are looked up. */
             int64_t next = -1;
@@ -155,28 +162,38 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                 next_tokens = seq_lens[b + 1] - next_first * block_size;
             }
             next_tokens = next < 0 ? 0 : next_tokens < block_size ? next_tokens : block_size;
-            const float *next_k = k_cache + (next < 0 ? 0 : next) * cache_stride_block;
-            const float *next_v = v_cache + (next < 0 ? 0 : next) * cache_stride_block;
+            const char *next_k = (const char *)k_cache + (next < 0 ? 0 : next) * cache_stride_block;
+            const char *next_v = (const char *)v_cache + (next < 0 ? 0 : next) * cache_stride_block;
 
             /* Scores: a K row, once loaded, serves every query head of its KV head. */
             int t = 0;
             for (; t + TOKENS <= tokens; t += TOKENS) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+                    /* Typed pointer arrays for each format: one array read through both would alias. */
                     const float *k[TOKENS];
-                    for (int i = 0; i < TOKENS; ++i)
-                        k[i] = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
+                    const uint16_t *k16[TOKENS];
+                    for (int i = 0; i < TOKENS; ++i) {
+                        const char *at = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
+                        k[i] = (const float *)at;
+                        k16[i] = (const uint16_t *)at;
+                    }
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                         prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
-                        dot_tokens(qs + h * row, k, head_dim, scores + h * score_row + t);
+                        if (format == KV_F32)
+                            dot_tokens(qs + h * row, k, head_dim, scores + h * score_row + t);
+                        else
+                            dot_tokens_half(format, qs + h * row, k16, head_dim, scores + h * score_row + t);
                     }
                 }
             }
             prefetch_part(next_k, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
             for (; t < tokens; ++t) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                    const float *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
+                    const char *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h)
-                        scores[h * score_row + t] = dot(qs + h * row, k, head_dim);
+                        scores[h * score_row + t] =
+                            format == KV_F32 ? dot(qs + h * row, (const float *)k, head_dim)
+                                             : dot_half(format, qs + h * row, (const uint16_t *)k, head_dim);
                 }
             }
 
@@ -218,15 +235,21 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             t = 0;
             for (; t + TOKENS <= tokens; t += TOKENS) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                    const float *v0 = v_page + t * cache_stride_token + kvh * cache_stride_head;
-                    const float *v1 = v0 + cache_stride_token;
-                    const float *v2 = v1 + cache_stride_token;
-                    const float *v3 = v2 + cache_stride_token;
+                    const char *row0 = v_page + t * cache_stride_token + kvh * cache_stride_head;
+                    const uint16_t *v16[TOKENS];
+                    for (int i = 0; i < TOKENS; ++i) v16[i] = (const uint16_t *)(row0 + i * cache_stride_token);
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                         prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
                         const float *p = scores + h * score_row + t;
-                        const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
                         float *restrict a = acc + h * row;
+                        if (format != KV_F32) {
+                            accumulate_half(format, a, p, v16, TOKENS, head_dim);
+                            continue;
+                        }
+                        const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+                        const float *v0 = (const float *)row0, *v1 = (const float *)(row0 + cache_stride_token);
+                        const float *v2 = (const float *)(row0 + 2 * cache_stride_token);
+                        const float *v3 = (const float *)(row0 + 3 * cache_stride_token);
 #pragma omp simd
                         for (int d = 0; d < head_dim; ++d)
                             a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
@@ -236,12 +259,18 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             prefetch_part(next_v, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
             for (; t < tokens; ++t) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                    const float *v = v_page + t * cache_stride_token + kvh * cache_stride_head;
+                    const char *v = v_page + t * cache_stride_token + kvh * cache_stride_head;
+                    const uint16_t *v16[1] = {(const uint16_t *)v};
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-                        const float p = scores[h * score_row + t];
+                        const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
+                        if (format != KV_F32) {
+                            accumulate_half(format, a, p, v16, 1, head_dim);
+                            continue;
+                        }
+                        const float *vf = (const float *)v;
 #pragma omp simd
-                        for (int d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                        for (int d = 0; d < head_dim; ++d) a[d] += p[0] * vf[d];
                     }
                 }
             }
@@ -259,23 +288,41 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
     return 0;
 }
 
-/* Strides are in elements; the last dimension of q, the caches and out is contiguous, and K and V share
- * their strides. `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, or -1 when the scratch buffer cannot be allocated (then nothing is written). */
-int kl_paged_decode_attention_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
-                                  const float *v_cache, int64_t cache_stride_block, int64_t cache_stride_token,
-                                  int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
-                                  const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
-                                  int head_dim, int block_size, float scale, int window, float *out,
-                                  int64_t out_stride_b, int64_t out_stride_h) {
-#define CALL(D)                                                                                              \
-    paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, cache_stride_block, cache_stride_token,         \
+/* Strides are in elements (of the cache's format for the caches); the last dimension of q, the caches and
+ * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16 or KV_BF16 (kv_half.h).
+ * `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, -1 when the
+ * scratch buffer cannot be allocated (then nothing is written), or -2 for an unknown kv_format. */
+int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stride_h, const void *k_cache,
+                              const void *v_cache, int kv_format, int64_t cache_stride_block,
+                              int64_t cache_stride_token, int64_t cache_stride_head, const int32_t *block_tables,
+                              int64_t table_stride, const int32_t *seq_lens, int batch, int num_q_heads,
+                              int num_kv_heads, int head_dim, int block_size, float scale, int window, float *out,
+                              int64_t out_stride_b, int64_t out_stride_h) {
+#define CALL(F, D)                                                                                            \
+    paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, F, cache_stride_block, cache_stride_token,      \
                  cache_stride_head, block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, D, \
                  block_size, scale, window, out, out_stride_b, out_stride_h)
     /* Only the engine's head_dim gets its own copy: each copy adds most of a second to the build, and the
      * tests' other head dims keep the generic copy covered. */
-    if (head_dim == 64) return CALL(64);
-    return CALL(head_dim);
+    switch (kv_format) {
+    case KV_F32: return head_dim == 64 ? CALL(KV_F32, 64) : CALL(KV_F32, head_dim);
+    case KV_F16: return head_dim == 64 ? CALL(KV_F16, 64) : CALL(KV_F16, head_dim);
+    case KV_BF16: return head_dim == 64 ? CALL(KV_BF16, 64) : CALL(KV_BF16, head_dim);
+    default: return -2;
+    }
 #undef CALL
+}
+
+/* The widest path this build's 16-bit page reads take: "avx512", "avx2" or "scalar". */
+const char *kl_paged_attention_isa(void) { return kv_half_isa(); }
+
+/* n floats into a cache row of `kv_format` (the fused call's write, exported so the tests can check its
+ * rounding on chosen values). */
+void kl_store_kv_row(int kv_format, const float *src, int64_t n, void *dst) {
+    if (kv_format == KV_F32)
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    else
+        store_half_row(kv_format, src, (int)n, dst);
 }
 
 /* Neox ("rotate half") RoPE of one head row: o[i] = x[i] cos[i] - x[i + half] sin[i] for i < half, and
@@ -290,7 +337,8 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
 }
 
 /* One layer's attention for a CPU decode step in a single call: RoPE on q and k, K and V stored into the
- * paged cache at `slots`, then every row attends (as kl_paged_decode_attention_f32) over its context.
+ * paged cache at `slots` (rounded to nearest even for 16-bit pages), then every row attends (as
+ * kl_paged_decode_attention) over its context.
  *
  * Why one call: at batch 1 a layer's own arithmetic here takes microseconds, while the same work as torch
  * ops (the RoPE's slices, negation, concatenation and products, an index copy per cache, the attention call
@@ -303,15 +351,19 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
  * a sliding `window` each row sees the last `window` tokens of its own length. A slot
  * of -1 stores nothing. `out` [tokens, Hq * head_dim] is contiguous. Returns 0, or -1 when scratch memory
  * cannot be allocated (then the cache may hold this call's K and V but `out` is unwritten). */
-int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, const float *cos_rows,
-                                      const float *sin_rows, const int64_t *slots, float *k_cache, float *v_cache,
-                                      int64_t cache_stride_block, int64_t cache_stride_token,
-                                      int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
-                                      const int32_t *seq_lens, int tokens, int num_q_heads, int num_kv_heads,
-                                      int head_dim, int block_size, float scale, int window, float *out) {
+int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const float *cos_rows,
+                                  const float *sin_rows, const int64_t *slots, void *k_cache, void *v_cache,
+                                  int kv_format, int64_t cache_stride_block, int64_t cache_stride_token,
+                                  int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
+                                  const int32_t *seq_lens, int tokens, int num_q_heads, int num_kv_heads,
+                                  int head_dim, int block_size, float scale, int window, float *out) {
+    if (kv_format != KV_F32 && kv_format != KV_F16 && kv_format != KV_BF16) return -2;
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
-    float *q = malloc((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row * sizeof(float));
+    const int64_t element = kv_format == KV_F32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    /* The query rows, then one head row of rotated K (converted from there when the pages are 16-bit). */
+    float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)head_dim) * sizeof(float));
     if (!q) return -1;
+    float *k_row = q + (size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row;
     for (int t = 0; t < tokens; ++t) {
         const float *src = qkv + t * qkv_stride, *c = cos_rows + (int64_t)t * head_dim;
         const float *s = sin_rows + (int64_t)t * head_dim;
@@ -322,11 +374,13 @@ int kl_rope_write_paged_attention_f32(const float *qkv, int64_t qkv_stride, cons
         const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
         for (int h = 0; h < num_kv_heads; ++h) {
             const float *k = src + q_row + (int64_t)h * head_dim, *v = k + kv_row;
-            rope_row(k, c, s, head_dim, k_cache + at + h * cache_stride_head);
-            memcpy(v_cache + at + h * cache_stride_head, v, (size_t)head_dim * sizeof(float));
+            const int64_t byte = (at + h * cache_stride_head) * element;
+            rope_row(k, c, s, head_dim, k_row);
+            kl_store_kv_row(kv_format, k_row, head_dim, (char *)k_cache + byte);
+            kl_store_kv_row(kv_format, v, head_dim, (char *)v_cache + byte);
         }
     }
-    const int status = kl_paged_decode_attention_f32(q, q_row, head_dim, k_cache, v_cache, cache_stride_block,
+    const int status = kl_paged_decode_attention(q, q_row, head_dim, k_cache, v_cache, kv_format, cache_stride_block,
                                                      cache_stride_token, cache_stride_head, block_tables,
                                                      table_stride, seq_lens, tokens, num_q_heads, num_kv_heads,
                                                      head_dim, block_size, scale, window, out, q_row, head_dim);

@@ -1,0 +1,188 @@
+/* 16-bit KV pages (IEEE fp16 and bfloat16) for paged_decode_attention.c: the conversions, and the dot
+ * product and V accumulation of TOKENS-token groups read straight from 16-bit rows.
+ *
+ * Reads widen in registers (AVX-512F: _mm512_cvtph_ps, 16 lanes; AVX2 with F16C and FMA: _mm256_cvtph_ps,
+ * 8 lanes; bfloat16 is the top half of a float32, so it widens by a 16-bit shift) and accumulate in
+ * float32. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
+ * `kv_half_isa()` names the widest path the build took, so the tests can check each narrowed build really
+ * ran its own. Writes round to nearest even, as torch's `.to(float16 / bfloat16)` does, bit for bit
+ * (subnormals kept, overflow to infinity, NaN stays NaN). */
+#ifndef KL_KV_HALF_H
+#define KL_KV_HALF_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+static inline uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
+
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 is exact in float32 */
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    if (exponent == 31) return bits_float(sign | 0x7f800000 | mantissa << 13); /* inf, NaN */
+    return bits_float(sign | (exponent + 112) << 23 | mantissa << 13);        /* rebias 15 -> 127 */
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    const uint32_t u = float_bits(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)(u >> 16 | 0x40); /* NaN: keep it a (quiet) NaN */
+    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);                /* ties to the even neighbour */
+}
+
+static inline uint16_t float_to_f16(float f) {
+    const uint32_t u = float_bits(f), sign = u >> 16 & 0x8000, magnitude = u & 0x7fffffff;
+    if (magnitude > 0x7f800000) return (uint16_t)(sign | 0x7e00 | (magnitude >> 13 & 0x3ff)); /* NaN */
+    if (magnitude >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* 65520 and up: ties away from 65504 */
+    if (magnitude < 0x38800000) {
+        /* Below 2^-14 the result is subnormal, a count of 2^-24 steps: adding 0.5 (whose ulp is 2^-24)
+         * rounds |f| to that step by the FPU's own nearest-even rounding, and the count is the difference
+         * of the bit patterns. */
+        return (uint16_t)(sign | (float_bits(bits_float(magnitude) + 0.5f) - 0x3f000000u));
+    }
+    /* Rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even; a carry out of the
+     * mantissa correctly bumps the exponent. */
+    return (uint16_t)(sign | (magnitude + 0xc8000fffu + (magnitude >> 13 & 1)) >> 13);
+}
+
+static inline float half_to_float(int format, uint16_t h) {
+    return format == KV_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+
+/* A row of n floats stored as 16-bit values. */
+static inline void store_half_row(int format, const float *restrict src, int n, uint16_t *restrict dst) {
+    int d = 0;
+#if defined(__F16C__)
+    if (format == KV_F16)
+        for (; d + 8 <= n; d += 8)
+            _mm_storeu_si128((__m128i *)(dst + d),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; d < n; ++d) dst[d] = format == KV_F16 ? float_to_f16(src[d]) : float_to_bf16(src[d]);
+}
+
+#if defined(__AVX512F__)
+#define KV_LANES 16
+typedef __m512 kv_vec;
+static inline kv_vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline kv_vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, kv_vec v) { _mm512_storeu_ps(p, v); }
+static inline kv_vec vec_set1(float x) { return _mm512_set1_ps(x); }
+static inline kv_vec vec_fmadd(kv_vec a, kv_vec b, kv_vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vec_sum(kv_vec v) { return _mm512_reduce_add_ps(v); }
+static inline kv_vec vec_load_half(int format, const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (format == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline const char *kv_half_isa(void) { return "avx512"; }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KV_LANES 8
+typedef __m256 kv_vec;
+static inline kv_vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline kv_vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, kv_vec v) { _mm256_storeu_ps(p, v); }
+static inline kv_vec vec_set1(float x) { return _mm256_set1_ps(x); }
+static inline kv_vec vec_fmadd(kv_vec a, kv_vec b, kv_vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vec_sum(kv_vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline kv_vec vec_load_half(int format, const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (format == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline const char *kv_half_isa(void) { return "avx2"; }
+#else
+static inline const char *kv_half_isa(void) { return "scalar"; }
+#endif
+
+/* Scores of four 16-bit K rows against one (float32) query row. */
+static inline void dot_tokens_half(int format, const float *restrict qh, const uint16_t *const k[4], int head_dim,
+                                   float *restrict s) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int d = 0;
+#ifdef KV_LANES
+    kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
+    for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+        const kv_vec q = vec_load(qh + d);
+        a0 = vec_fmadd(q, vec_load_half(format, k[0] + d), a0);
+        a1 = vec_fmadd(q, vec_load_half(format, k[1] + d), a1);
+        a2 = vec_fmadd(q, vec_load_half(format, k[2] + d), a2);
+        a3 = vec_fmadd(q, vec_load_half(format, k[3] + d), a3);
+    }
+    s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
+#endif
+    for (; d < head_dim; ++d) {
+        const float qd = qh[d];
+        s0 += qd * half_to_float(format, k[0][d]);
+        s1 += qd * half_to_float(format, k[1][d]);
+        s2 += qd * half_to_float(format, k[2][d]);
+        s3 += qd * half_to_float(format, k[3][d]);
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+static inline float dot_half(int format, const float *restrict qh, const uint16_t *restrict k, int head_dim) {
+    float s = 0.0f;
+    int d = 0;
+#ifdef KV_LANES
+    kv_vec a = vec_zero();
+    for (; d + KV_LANES <= head_dim; d += KV_LANES) a = vec_fmadd(vec_load(qh + d), vec_load_half(format, k + d), a);
+    s = vec_sum(a);
+#endif
+    for (; d < head_dim; ++d) s += qh[d] * half_to_float(format, k[d]);
+    return s;
+}
+
+/* acc += sum_i p[i] * v[i] over `count` (1 or 4) 16-bit V rows. */
+static inline void accumulate_half(int format, float *restrict acc, const float *p, const uint16_t *const *v,
+                                   int count, int head_dim) {
+    int d = 0;
+#ifdef KV_LANES
+    if (count == 4) {
+        const kv_vec p0 = vec_set1(p[0]), p1 = vec_set1(p[1]), p2 = vec_set1(p[2]), p3 = vec_set1(p[3]);
+        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+            kv_vec a = vec_load(acc + d);
+            a = vec_fmadd(p0, vec_load_half(format, v[0] + d), a);
+            a = vec_fmadd(p1, vec_load_half(format, v[1] + d), a);
+            a = vec_fmadd(p2, vec_load_half(format, v[2] + d), a);
+            a = vec_fmadd(p3, vec_load_half(format, v[3] + d), a);
+            vec_store(acc + d, a);
+        }
+    } else {
+        const kv_vec p0 = vec_set1(p[0]);
+        for (; d + KV_LANES <= head_dim; d += KV_LANES)
+            vec_store(acc + d, vec_fmadd(p0, vec_load_half(format, v[0] + d), vec_load(acc + d)));
+    }
+#endif
+    for (; d < head_dim; ++d) {
+        float a = acc[d];
+        for (int i = 0; i < count; ++i) a += p[i] * half_to_float(format, v[i][d]);
+        acc[d] = a;
+    }
+}
+
+#endif
