@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kernel_lab.models.tokenizer import IncrementalDetokenizer
 
+from .errors import RequestFieldError
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import SampleResult
 from .sampling_params import RequestOutputKind
@@ -194,10 +195,18 @@ class OutputProcessor:
             out.logprobs.append(entry)
             out.cumulative_logprob += result.logprob
 
-        if seq.matcher is not None and (not seq.matcher.accept_token(token) or seq.matcher.is_terminated()):
-            # the grammar is complete (it accepted a stop token) and the output matches it
-            self._finish(seq, "stop", None, token_text=False)
-            return
+        if seq.matcher is not None:
+            if not seq.matcher.accept_token(token):
+                # The bitmask leaves only grammar tokens, so a rejected one means the request's own token
+                # rules (allowed_token_ids, bad_words) masked every token the grammar allows: a finish here
+                # would pass off a non-matching output as complete.
+                param = params.structured_outputs.param
+                raise RequestFieldError(param, f"no token can continue the output under {param}: the request's "
+                                        "other token constraints (allowed_token_ids, bad_words) exclude every "
+                                        "token the grammar allows here")
+            if seq.matcher.is_terminated():  # the grammar is complete (it accepted a stop token)
+                self._finish(seq, "stop", None, token_text=False)
+                return
         if token in params.stop_token_ids:
             self._finish(seq, "stop", token, token_text=params.include_stop_str_in_output)
             return

@@ -48,6 +48,12 @@ def _bounded_strings(name: str, value, count: int, chars: int, single: bool = Fa
             not all(isinstance(x, str) and 0 < len(x) <= chars for x in items):
         raise RequestFieldError(name, f"{name} must be {'a non-empty string or ' if single else ''}a list of at "
                                 f"most {count} non-empty strings of at most {chars} characters, got {value!r:.200}")
+    for x in items:
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it and no output holds it
+            raise RequestFieldError(name, f"{name} must be valid Unicode text, got {x!r:.200} ({exc.reason} "
+                                    f"at {exc.start})") from None
     return list(items)
 
 

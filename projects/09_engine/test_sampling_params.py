@@ -34,6 +34,7 @@ VOCAB = 1000
     ("stop_token_ids", dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))),
     ("bad_words", dict(bad_words=["w"] * (MAX_BAD_WORDS + 1))),
     ("bad_words", dict(bad_words=["w" * (MAX_BAD_WORD_CHARS + 1)])), ("bad_words", dict(bad_words="word")),
+    ("bad_words", dict(bad_words=["ok", "\ud800"])), ("stop", dict(stop="a\udfff")),
     ("structured_outputs", dict(structured_outputs={"regex": "a"})),
 ])
 def test_each_refusal_names_its_field(field, kwargs):

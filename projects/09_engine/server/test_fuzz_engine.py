@@ -630,11 +630,7 @@ KNOWN_FAULTS = {
     "stop_token_ids_past_the_vocabulary_with_min_tokens": (
         "completions", {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [1000000000]}),
     "top_k_past_int32": ("completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 1, "top_k": 2**31}),
-    "bad_words_with_a_lone_surrogate": pytest.param(
-        "completions", {"prompt": "Hello", "max_tokens": 2, "bad_words": ["\ud800"]},
-        marks=pytest.mark.xfail(strict=True, reason="after h31a: a 400 whose message is the tokenizer's "
-                                "('TextInputSequence must be str') and whose param is null; SamplingParams "
-                                "should refuse a bad word that is not valid Unicode, naming bad_words")),
+    "bad_words_with_a_lone_surrogate": ("completions", {"prompt": "Hello", "max_tokens": 2, "bad_words": ["\ud800"]}),
     "forced_tool_call_cut_by_a_stop_string": (
         "chat", {"messages": USER, "max_tokens": 12, "temperature": 0, "tools": CITY_TOOL,
                  "tool_choice": "required", "stop": ["city"]}),
@@ -656,17 +652,21 @@ def test_known_faults(live, route, body):
     run_example(live, route, body, compare=True)
 
 
-@pytest.mark.xfail(strict=True, reason="unowned: when the grammar rejects the sampled token (allowed_token_ids "
-                   "left it no legal one), the output processor ends the sequence with finish_reason 'stop', so an "
-                   "output that does not match its regex reads as a normal, matching answer")
-def test_a_grammar_that_allowed_token_ids_contradict_does_not_claim_a_match(live):
-    """allowed_token_ids leaves the regex no legal token: the answer may be cut, but a choice that says it
-    stopped normally must match its constraint."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_allowed_token_ids_contradict_is_refused_naming_the_grammar(live, stream):
+    """allowed_token_ids leaves the regex no legal token: the request fails naming its grammar's field (a
+    finish would pass a non-matching output off as complete), and the engine serves on."""
     body = {"prompt": "Hello", "max_tokens": 3, "allowed_token_ids": [5], "guided_regex": "[ab]+"}
     run_example(live, "completions", body)
-    choice = live.post("completions", body).json()["choices"][0]
-    if choice["finish_reason"] == "stop":
-        check_structured(choice["text"], ("regex", "[ab]+"))
+    if stream:
+        lines = [line for line in live.post("completions", {**body, "stream": True}).text.splitlines()
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+        errors = [event["error"] for event in map(json.loads, (line[6:] for line in lines)) if "error" in event]
+        assert errors and errors[0]["param"] == "guided_regex", lines
+    else:
+        rsp = live.post("completions", body)
+        assert rsp.status_code == 400 and rsp.json()["error"]["param"] == "guided_regex", rsp.text
+    live.wait_idle()
 
 
 def test_health_answers_while_a_10_mb_prompt_is_prepared(live):
