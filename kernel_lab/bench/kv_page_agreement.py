@@ -32,8 +32,11 @@ COMPARED_TOP = 5
 
 
 def greedy_run(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, prompt_through_sdpa: bool = False,
-               **engine_kwargs):
+               logprobs: int | None = LOGPROB_TOP, **engine_kwargs):
     """(token lists, first-token {token id: logprob} dicts, seconds, engine stats) of one engine.
+
+    `logprobs=None`: tokens only (no first-token dicts), for a run whose log-probabilities are not compared:
+    every step's top-`logprobs` costs far more than the step under the Triton interpreter that tests run.
 
     `prompt_through_sdpa`: the control run. Prompt tokens attend through SDPA (the non-CPU path) instead of
     one decode-kernel call per row, which changes the prompt's attention by float32 rounding only: what
@@ -44,7 +47,7 @@ def greedy_run(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, p
                        **engine_kwargs)
     if prompt_through_sdpa:
         engine.runner.prompt_tokens_decode = False
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -55,7 +58,8 @@ def greedy_run(kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, p
                 finished[int(out.request_id)] = out.outputs[0]
     seconds = time.perf_counter() - start
     outputs = [finished[i] for i in range(len(prompts))]
-    first = [{t: entry.logprob for t, entry in out.logprobs[0].items()} for out in outputs]
+    first = [] if logprobs is None else [{t: entry.logprob for t, entry in out.logprobs[0].items()}
+                                         for out in outputs]
     return [list(out.token_ids) for out in outputs], first, seconds, engine.stats()
 
 

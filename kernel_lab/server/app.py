@@ -90,7 +90,9 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
     """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
     model while the server already answers /health with 503) and stops it on shutdown."""
 
-    preparation = PreparationPool()
+    # A request being prepared is as much a waiting request as one queued for its first token: one bound,
+    # --max-waiting, covers both (each job's text is already bounded by the prompt character limit).
+    preparation = PreparationPool(max_pending=async_engine.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -4,10 +4,10 @@ prepared. Grammars compile on the grammar service's own threads (cached by their
 for one holds a slot here too.
 
 The pool is bounded twice: `max_workers` threads, and at most `max_pending` jobs admitted (running, queued,
-or a compile being waited for). A request beyond that is refused at once with 429 and Retry-After instead of
-being queued, so a flood of large requests cannot pile up. A slot is freed when its job ends: a queued job
-whose client went away is dropped, a running one keeps its thread and its slot until it finishes, and a
-grammar compile is never cancelled (other requests may share its cached result).
+or a compile being waited for; the app passes `--max-waiting`). A request beyond that is refused at once
+with 429 and Retry-After instead of being queued, so a flood of large requests cannot pile up. A slot is
+freed when its job ends: a queued job whose client went away is dropped, a running one keeps its thread and
+its slot until it finishes, and a grammar compile is never cancelled (other requests may share its cached result).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 class PreparationPool:
-    def __init__(self, max_workers: int = 2, max_pending: int = 64):
+    def __init__(self, max_workers: int = 2, max_pending: int = 512):
         if max_workers < 1 or max_pending < max_workers:
             raise ValueError(f"need max_workers >= 1 and max_pending >= max_workers, got {max_workers}, "
                              f"{max_pending}")

@@ -100,10 +100,13 @@ def test_16_bit_pages_keep_the_bundled_model_close_to_float32_pages(bundled_mode
     tokenizer = Tokenizer.from_directory(resolve_model_dir(None))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     assert len(prompts) == 16
-    reference = greedy_run("float32", prompts, 64, weights="float32")
-    fp16 = compare(*greedy_run("float16", prompts, 64, weights="float32")[:2], *reference[:2])
+    # First-token log-probabilities from one-token runs, greedy agreement from runs without logprobs (the
+    # top-k behind logprobs goes through the Triton interpreter under pytest, and dominated this test's time).
+    first = {name: greedy_run(name, prompts, 1, weights="float32")[1] for name in ("float32", "float16", "bfloat16")}
+    tokens = {name: greedy_run(name, prompts, 64, logprobs=None, weights="float32")[0]
+              for name in ("float32", "float16")}
+    fp16 = compare(tokens["float16"], first["float16"], tokens["float32"], first["float32"])
     assert fp16["max_top5_first_logprob_shift"] <= FIRST_TOKEN_LOGPROB_SHIFT["float16"], fp16
     assert fp16["identical"] >= 14, fp16
-    bf16 = compare(*greedy_run("bfloat16", prompts, 1, weights="float32")[:2],
-                   [t[:1] for t in reference[0]], reference[1])
+    bf16 = compare([[0]] * len(prompts), first["bfloat16"], [[0]] * len(prompts), first["float32"])
     assert bf16["max_top5_first_logprob_shift"] <= FIRST_TOKEN_LOGPROB_SHIFT["bfloat16"], bf16
