@@ -5,7 +5,7 @@
 #
 # Two parts: llama-cpp-python (for our runner, kernel_lab/bench/llama_cpp.py, and the agreement checks), then
 # llama.cpp's own llama-bench, llama-batched-bench and llama-server from the same pinned source
-# (llama_cpp_tools.sh, about 16 minutes on 2 cores the first time). Each part skips itself when up to date.
+# (llama_cpp_tools.sh, about 20 minutes on a 2-core VM the first time). Each part skips itself when up to date.
 #
 # llama-cpp-python is compiled from source for this machine's CPU (GGML_NATIVE: AVX2/AVX-512/VNNI as the
 # compiler finds them), with ggml's AMX backend off (the CMake switches and -mno-amx-*): on machines whose CPU

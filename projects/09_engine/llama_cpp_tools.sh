@@ -14,7 +14,7 @@
 # Each bin directory keeps the shared libraries the binaries find through their rpath, so it moves as one,
 # and holds llama-cpp-build.json: the tool list, the llama.cpp commit, the CMake and compiler flags and this
 # CPU's ISA flags, which the benchmark records copy. A build whose key (source version, flags, this script)
-# matches that file is skipped. From scratch the native build takes about 16 minutes on 2 cores.
+# matches that file is skipped. From scratch the native build took about 20 minutes on a shared 2-core VM.
 set -euo pipefail
 
 VARIANT=${1:-native}
