@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib.metadata as _md
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -124,5 +125,37 @@ def environment_record() -> dict:
     }
 
 
+def cpu_isa_class(simd: list[str]) -> str:
+    """The widest vector ISA of a CPU's flags, as the C kernels and llama.cpp pick their paths by it."""
+    flags = set(simd)
+    if "avx512f" in flags:
+        return "AVX-512" + ("+AMX" if "amx_tile" in flags else "")
+    if "avx2" in flags:
+        return "AVX2"
+    if "sve" in flags:
+        return "SVE"
+    if "asimd" in flags:
+        return "NEON"
+    return "no SIMD flags"
+
+
+def _cpu_vendor_model(env: dict) -> str | None:
+    """'Intel Xeon', 'AMD EPYC': the model name without trademarks, frequency or 'Processor'."""
+    model = env.get("cpu_model")
+    if not model:
+        return None
+    model = re.sub(r"\((R|TM|tm|r)\)", "", model)
+    model = re.split(r"\s+(?:CPU|Processor|@)\b", model)[0]
+    return " ".join(model.split()[:3]) or None
+
+
 def device_label(env: dict) -> str:
-    return env["gpu"]["name"] if env.get("gpu") else f"CPU ({env.get('cpu')}, {env.get('cpu_count')} cores)"
+    """The machine a record holds for. A CPU's names its model and ISA class, so that records made on two
+    2-core machines (an AVX2 EPYC, an AVX-512 Xeon) never share a file name or a table title."""
+    if env.get("gpu"):
+        return env["gpu"]["name"]
+    if env.get("cpu_model") is None and not env.get("cpu_simd"):
+        return f"CPU ({env.get('cpu')}, {env.get('cpu_count')} cores)"
+    parts = [_cpu_vendor_model(env) or env.get("cpu"), cpu_isa_class(env.get("cpu_simd") or []),
+             f"{env.get('cpu_count')} cores"]
+    return f"CPU ({', '.join(p for p in parts if p)})"
