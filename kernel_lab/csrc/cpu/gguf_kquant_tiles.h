@@ -133,8 +133,8 @@ static inline __attribute__((always_inline)) void kq_tile_rows(int type, const u
                     const int64_t row = r0 + r;
                     const int8_t *xq = x->q + row * x->k + b * QK;
                     __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
-                    for (int g = 0; g < 4; g++) ia = dot_accumulate(ia, w[g], broadcast4(xq + 4 * g));
-                    for (int g = 4; g < 8; g++) ib = dot_accumulate(ib, w[g], broadcast4(xq + 4 * g));
+                    ia = dot_groups(ia, w, xq, 4, 2);       /* 6-bit weights */
+                    ib = dot_groups(ib, w + 4, xq + 16, 4, 2);
                     const int32_t *halves = x->sum16 + row * 2 * nb + 2 * b;
                     ia = _mm256_sub_epi32(ia, _mm256_set1_epi32(32 * halves[0]));
                     ib = _mm256_sub_epi32(ib, _mm256_set1_epi32(32 * halves[1]));
@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void kq_tile_rows(int type, const u
                 const int64_t row = r0 + r;
                 const int8_t *xq = x->q + row * x->k + b * QK;
                 __m256i idot = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g++) idot = dot_accumulate(idot, w[g], broadcast4(xq + 4 * g));
+                idot = dot_groups(idot, w, xq, 8, type == GGML_Q5_K ? 4 : 8);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(scale, _mm256_set1_ps(x->d[row * nb + b])),
                                          acc[r]);
                 acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(x->s[row * nb + b]), acc[r]);
