@@ -62,13 +62,16 @@ def width(fmt: str, k: int) -> int:
     return -(-k // block) * block
 
 
-def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
+def random_weight(fmt: str, n: int, k: int, seed: int, fill: int | None = None) -> QuantizedWeight:
     """Every quant bit pattern occurs; scales are random fp16 of both signs (llama.cpp's Q4_0 and Q8_0
     scales are negative when a block's largest magnitude is negative), Q4_1 minimums likewise. K-quants:
-    every 6-bit scale and min (Q4_K, Q5_K) and int8 scale (Q6_K) occurs; d and dmin are random fp16."""
+    every 6-bit scale and min (Q4_K, Q5_K) and int8 scale (Q6_K) occurs; d and dmin are random fp16.
+    `fill`: every byte but d/dmin/m is this value instead (0xFF: every quant at the format's largest)."""
     ggml_type, g = FORMATS[fmt], generator(seed)
     nb, bb = k // BLOCK_WEIGHTS[ggml_type], BLOCK_BYTES[ggml_type]
     data = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
+    if fill is not None:
+        data.fill_(fill)
     sign = torch.where(torch.rand(n, nb, 1, generator=g) < 0.3, -1.0, 1.0)
     scale = 0.002 + 0.03 * torch.rand(n, nb, 1, generator=g)
     if ggml_type in K_QUANTS:
@@ -210,6 +213,18 @@ def test_every_isa_path_this_cpu_runs(library, extra_flags, expected):
         tol = summation_tolerance(x, weight)
         assert bool(((y.double() - gguf_linear_reference(x, weight)).abs() <= tol).all()), (isa, fmt)
         assert bool(((y - run_kernel(library, x, weight)).double().abs() <= 2 * tol).all()), (isa, fmt)
+        # The integer sums at their extremes: every quant at its largest against activations that all
+        # quantize to +127 or -127 (an int16 partial sum of AVX2's dot_groups that could overflow does
+        # here). Q8_0 takes no int16 partial sums; its +128 bias cancels in float at these values, past
+        # summation_tolerance's model, so it is left out.
+        if fmt == "Q8_0":
+            continue
+        weight = random_weight(fmt, 37, width(fmt, 96), seed + 2, fill=0xFF)
+        for sign in (1.0, -1.0):
+            x = torch.full((3, width(fmt, 96)), sign)
+            y = run_kernel(lib, x, weight)
+            tol = summation_tolerance(x, weight)
+            assert bool(((y.double() - gguf_linear_reference(x, weight)).abs() <= tol).all()), (isa, fmt, sign)
 
 
 def test_tile_pairs_compute_the_same_bits_as_single_tiles(library):
