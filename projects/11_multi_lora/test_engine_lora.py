@@ -44,16 +44,17 @@ pytestmark = pytest.mark.usefixtures("reference_only")
 
 
 def module_shapes(hf: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) of each PEFT target module."""
+    """(in, out) of each PEFT target module (Phi-3's stacked qkv_proj and gate_up_proj too)."""
     h, inter = hf["hidden_size"], hf["intermediate_size"]
-    head = h // hf["num_attention_heads"]
+    head = hf.get("head_dim") or h // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * head, hf["num_key_value_heads"] * head
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-            "up_proj": (h, inter), "down_proj": (inter, h)}
+            "up_proj": (h, inter), "down_proj": (inter, h), "qkv_proj": (h, q + 2 * kv),
+            "gate_up_proj": (h, 2 * inter)}
 
 
 def parent(module: str) -> str:
-    return "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
 
 
 def write_adapter(directory, hf: dict, rank: int, alpha, use_rslora: bool, modules, seed: int, **extra) -> dict:
@@ -218,6 +219,65 @@ def test_peft_built_adapter(setup, tmp_path):
     ids = llm.tokenizer.encode(SHARED, add_special_tokens=True)
     assert out == transformers_greedy(checkpoint, merged, [ids])[0]
     assert out != transformers_greedy(checkpoint, setup[3], [ids])[0], "the adapter must change the output"
+
+
+def _registry_families() -> dict:
+    """projects/09_engine/test_families.py's tiny checkpoint settings, one per registered family."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "09_engine" / "test_families.py"
+    spec = importlib.util.spec_from_file_location("_families_for_lora", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: {**module.COMMON, **settings, "_class": cls} for name, (cls, settings) in module.FAMILIES.items()}
+
+
+FAMILY_SETTINGS = _registry_families()
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SETTINGS))
+def test_every_family_matches_merged_transformers(family, tmp_path, tokenizer_dir):
+    """Each registered family's tiny checkpoint with a rank-8 adapter on every projection it has (Phi-3: its
+    stacked qkv_proj and gate_up_proj; the MoE families: attention only), in a batch with the base model."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    settings = dict(FAMILY_SETTINGS[family])
+    cls = settings.pop("_class")
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**settings),
+                                                          dtype=torch.float32)
+    checkpoint = tmp_path / "base"
+    model.save_pretrained(str(checkpoint))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, checkpoint / name)
+    hf = json.loads((checkpoint / "config.json").read_text())
+    if cls == "Phi3Config":
+        modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    elif "num_local_experts" in settings or "num_experts" in settings:
+        modules = ("q_proj", "k_proj", "v_proj", "o_proj")
+    else:
+        modules = MODULES
+    tensors = write_adapter(tmp_path / "adapter", hf, 8, 16, False, modules, seed=5)
+    base = load_file(str(checkpoint / "model.safetensors"))
+    request = LoRARequest(family, 1, str(tmp_path / "adapter"))
+    setup = (checkpoint, hf, {family: (request, merged_state(base, tensors, 8, 16, False))}, base)
+    llm = LLM(str(checkpoint), max_loras=1, **ENGINE)
+    cases = [(SHARED, family), (SHARED, None), (OTHER, family)]
+    want = references(setup, llm, cases)
+    assert want[0] != want[1], "the adapter must change the output"
+    assert run(llm, cases, setup[2]) == want
+
+
+def test_moe_mlp_adapter_is_refused(tmp_path):
+    """An MoE family's experts have no dense gate/up/down to adapt: refused, naming the adapter."""
+    settings = dict(FAMILY_SETTINGS["mixtral"])
+    settings.pop("_class")
+    hf = {**settings, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    write_adapter(tmp_path / "moe", hf, 8, 16, False, ("q_proj", "gate_proj"), seed=6)
+    with pytest.raises(LoRAAdapterError, match="LoRA adapter 'moe'.*target module 'gate_proj' is not a projection"):
+        load_peft_adapter(LoRARequest("moe", 1, str(tmp_path / "moe")), ModelConfig.from_hf(hf), 32)
 
 
 # ------------------------------------------------------------------------------------------------ refusals
