@@ -4,7 +4,7 @@ API-key check and the engine's lifespan.
     POST /v1/completions        legacy completions              serving_completion.py
     POST /v1/chat/completions   chat, through the chat template  serving_chat.py
     POST /tokenize, /detokenize vLLM's shapes                   serving_tokenization.py
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served model and its LoRA adapters (--lora-modules)
     GET  /health                200 ready, 503 still loading, 500 engine dead
     GET  /metrics               Prometheus text format (see metrics.py)
 
@@ -61,10 +61,13 @@ class BearerAuth:
 
 
 def models(serving: OpenAIServing) -> dict:
+    """The base model, then each --lora-modules adapter with the base as its `parent` (vLLM's listing)."""
     serving.check_ready()
-    return {"object": "list", "data": [{
-        "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kernel-lab",
-        "root": serving.model_path or serving.model_name, "max_model_len": serving.max_model_len}]}
+    base = {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kernel-lab",
+            "root": serving.model_path or serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
+    adapters = [{**base, "id": name, "root": str(lora.lora_path), "parent": serving.model_name}
+                for name, lora in serving.lora_requests.items()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 def health(async_engine: AsyncEngine) -> JSONResponse:
@@ -86,7 +89,8 @@ def metrics_text(async_engine: AsyncEngine) -> str:
 
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              model_path: str | None = None, manage_engine: bool = True) -> FastAPI:
+              model_path: str | None = None, manage_engine: bool = True,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
     model while the server already answers /health with 503) and stops it on shutdown."""
 
@@ -104,7 +108,8 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="kernel-lab OpenAI-compatible server", lifespan=lifespan)
-    facts = dict(served_model_name=served_model_name, model_path=model_path, preparation=preparation)
+    facts = dict(served_model_name=served_model_name, model_path=model_path, preparation=preparation,
+                 lora_modules=lora_modules)
     for module, serving_class in ENDPOINTS:
         module.add_routes(app, serving_class(async_engine, **facts))
     server = OpenAIServing(async_engine, **facts)
@@ -135,7 +140,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
     async def model(model_id: str):
         listing = models(server)
         server.check_model(model_id)
-        return listing["data"][0]
+        return next(m for m in listing["data"] if m["id"] == model_id)
 
     @app.get("/health")
     async def get_health():

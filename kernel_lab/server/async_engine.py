@@ -211,7 +211,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop API
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request (its params with output_kind=DELTA) for the engine thread. Raises EngineNotReady,
         EngineDead or QueueFull at once; an engine-side refusal (RequestRejected) arrives through the stream."""
@@ -232,6 +233,7 @@ class AsyncEngine:
                 list(prompt_token_ids),
                 params,
                 time.monotonic() if arrival is None else arrival,
+                lora_request,
             )
         )
         return stream
@@ -303,9 +305,10 @@ class AsyncEngine:
     def _apply(self, engine, command: tuple, errors: list) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, arrival = command
+            _, request_id, prompt_ids, params, arrival, lora = command
             try:
-                engine.add_request(request_id, prompt_ids, params)
+                # the keyword only where an adapter is named: engines without LoRA keep their signature
+                engine.add_request(request_id, prompt_ids, params, **({"lora_request": lora} if lora else {}))
             except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
                 if not is_client_error(exc):
                     log.exception("add_request failed for %s", request_id)

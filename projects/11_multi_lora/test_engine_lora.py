@@ -364,3 +364,63 @@ def test_engine_refusals_leave_no_state(setup, tmp_path):
                                                                          lora_request=adapters["r8"][0])
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
         LoRARequest("x", 0, "/x")
+
+
+# ------------------------------------------------------------------------------------------------ the server
+def serve_args(checkpoint, *extra: str):
+    import argparse
+
+    from kernel_lab.server.launch import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(["--model", str(checkpoint), "--dtype", "float32", "--device", "cpu", "--weights",
+                              "float32", "--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-seqs", "4",
+                              *extra])
+
+
+def test_server_selects_adapters_by_model(setup, tmp_path):
+    """`serve --enable-lora --lora-modules r8=... r32=...`: /v1/models lists them with the base as parent, a
+    request's `model` picks the adapter (outputs equal the merged references), an unknown name is a 404
+    model_not_found; a malformed adapter fails the start, and --lora-modules needs --enable-lora."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    import httpx
+
+    from kernel_lab.server.background import BackgroundServer
+    from kernel_lab.server.launch import ServeArgumentError, build_server
+
+    checkpoint, hf, adapters, _ = setup
+    paths = {name: adapters[name][0].lora_path for name in ("r8", "r32")}
+    args = serve_args(checkpoint, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-modules",
+                      *(f"{n}={p}" for n, p in paths.items()))
+    app, async_engine = build_server(args)
+    with BackgroundServer(app) as server:
+        assert async_engine.ready_event.wait(60) and async_engine.state == "ready", async_engine.error
+        listing = httpx.get(server.url + "/v1/models").json()["data"]
+        base_name = listing[0]["id"]
+        assert [(m["id"], m["parent"]) for m in listing] == [(base_name, None), ("r8", base_name),
+                                                              ("r32", base_name)]
+        assert httpx.get(server.url + "/v1/models/r32").json()["root"] == paths["r32"]
+        engine = async_engine.engine
+        # the server's prompt ids are the engine's (the same tokenizer); the references are per adapter
+        want = references(setup, engine, [(OTHER, "r8"), (OTHER, "r32"), (OTHER, None)])
+        assert len({tuple(w) for w in want}) == 3, "each adapter must change the output"
+        for (name, _), tokens in zip([("r8", 0), ("r32", 0), (base_name, 0)], want):
+            body = {"model": name, "prompt": OTHER, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            assert got["choices"][0]["text"] == engine.tokenizer.decode(tokens), name
+        missing = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": OTHER}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+
+    bad = tmp_path / "dora"
+    write_adapter(bad, hf, 8, 16, False, ("q_proj",), seed=8, use_dora=True)
+    app, async_engine = build_server(serve_args(checkpoint, "--enable-lora", "--lora-modules", f"bad={bad}"))
+    with BackgroundServer(app):
+        async_engine.ready_event.wait(60)
+        assert async_engine.state == "failed" and "LoRA adapter 'bad'" in str(async_engine.error)
+    with pytest.raises(ServeArgumentError, match="--lora-modules needs --enable-lora"):
+        build_server(serve_args(checkpoint, "--lora-modules", f"r8={paths['r8']}"))
+    with pytest.raises(ServeArgumentError, match="NAME=PATH"):
+        build_server(serve_args(checkpoint, "--enable-lora", "--lora-modules", "r8"))
