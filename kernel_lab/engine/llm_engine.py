@@ -110,6 +110,21 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
 
+    # vLLM's runtime adapter calls (the server's /v1/load_lora_adapter and /v1/unload_lora_adapter)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (a request naming it later finds it registered)."""
+        if self.lora is None:
+            raise ValueError("adding a LoRA adapter needs an engine with enable_lora=True")
+        self.lora.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (False if unknown); refused while unfinished requests use it."""
+        return self.lora is not None and self.lora.unregister(lora_id, self.requests.values())
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.adapters)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

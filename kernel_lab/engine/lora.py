@@ -58,6 +58,10 @@ class LoRAAdapterError(ValueError):
     """An adapter the engine cannot apply; the message names the adapter and the reason."""
 
 
+class LoRAAdapterInUse(RuntimeError):
+    """remove_lora of an adapter unfinished requests still use (not a request's fault: the server's 409)."""
+
+
 # ------------------------------------------------------------------------------------------------ model layout
 @dataclass(frozen=True)
 class Projection:
@@ -265,6 +269,7 @@ class LoRAManager:
                 setattr(parent, proj.path[-1], LoRALinear(getattr(parent, proj.path[-1]), self, a, b, proj.offsets))
         model.lora_manager = self
         self.adapters: dict[int, LoRAAdapter] = {}        # registered (parsed) adapters, by lora_int_id
+        self.retired: dict[int, str] = {}                 # removed lora_int_id -> the name it had
         self.slot_ids: list[int | None] = [None] * max_loras
         self.lru: OrderedDict[int, int] = OrderedDict()   # resident lora_int_id -> slot, least recent first
         self.pins: Counter[int] = Counter()               # slot -> running sequences using it
@@ -278,6 +283,11 @@ class LoRAManager:
         """Parse (once per lora_int_id) and check the adapter a request names; raises LoRAAdapterError."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora_request must be a kernel_lab.engine.LoRARequest, got {type(request).__name__}")
+        if request.lora_int_id in self.retired:
+            # cached prefix blocks are keyed by lora_int_id: an id once removed never names an adapter again
+            raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} "
+                                   f"named adapter {self.retired[request.lora_int_id]!r}, which was removed; "
+                                   f"use a new id")
         known = self.adapters.get(request.lora_int_id)
         if known is not None:
             if (known.request.lora_name, str(known.request.lora_path)) != (request.lora_name, str(request.lora_path)):
@@ -288,6 +298,26 @@ class LoRAManager:
         adapter = load_peft_adapter(request, self.config, self.max_lora_rank)
         self.adapters[request.lora_int_id] = adapter
         return adapter
+
+    def unregister(self, lora_int_id: int, requests) -> bool:
+        """Forget an adapter and free its slot; False if it is not registered. Refused (LoRAAdapterInUse)
+        while any of `requests` (the engine's unfinished ones) uses it."""
+        adapter = self.adapters.get(lora_int_id)
+        if adapter is None:
+            return False
+        users = [r.request_id for r in requests
+                 if getattr(r, "lora_request", None) is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            shown = ", ".join(users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
+            raise LoRAAdapterInUse(f"LoRA adapter {adapter.request.lora_name!r} is in use by {len(users)} "
+                                   f"unfinished request(s) ({shown})")
+        slot = self.lru.pop(lora_int_id, None)
+        if slot is not None:
+            self.slot_ids[slot] = None
+            self.scale[slot] = 0.0
+        del self.adapters[lora_int_id]
+        self.retired[lora_int_id] = adapter.request.lora_name
+        return True
 
     # ------------------------------------------------------------------------------------------- slots
     def _free_slot(self) -> int | None:

@@ -103,6 +103,7 @@ def build_server(args):
     from .app import build_app
     from .async_engine import AsyncEngine
     from .serving import lora_requests
+    from .serving_lora import runtime_updates_allowed
 
     log = logging.getLogger("kernel_lab.server")
     kwargs = engine_kwargs(args)
@@ -124,7 +125,7 @@ def build_server(args):
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
     app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model,
-                    lora_modules=lora_modules)
+                    lora_modules=lora_modules, allow_runtime_lora_updating=runtime_updates_allowed(os.environ))
     return app, async_engine
 
 

@@ -72,9 +72,11 @@ def lora_requests(lora_modules: dict[str, str] | None) -> dict:
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str | None = None,
                  model_path: str | None = None, preparation: PreparationPool | None = None,
-                 lora_modules: dict[str, str] | None = None):
+                 lora_modules: dict[str, str] | None = None, lora_requests_by_name: dict | None = None):
         self.async_engine = async_engine
-        self.lora_requests = lora_requests(lora_modules)
+        # {name: LoRARequest}: the app passes one dict to every endpoint, which the runtime load/unload
+        # routes change in place; lora_modules builds a private one
+        self.lora_requests = lora_requests(lora_modules) if lora_requests_by_name is None else lora_requests_by_name
         self.preparation = preparation or PreparationPool()  # the app shares one between its endpoints
         self._served_name = served_model_name
         self.model_path = model_path

@@ -424,3 +424,89 @@ def test_server_selects_adapters_by_model(setup, tmp_path):
         build_server(serve_args(checkpoint, "--lora-modules", f"r8={paths['r8']}"))
     with pytest.raises(ServeArgumentError, match="NAME=PATH"):
         build_server(serve_args(checkpoint, "--enable-lora", "--lora-modules", "r8"))
+
+
+def test_server_loads_and_unloads_adapters_at_runtime(setup, tmp_path, monkeypatch):
+    """With VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter serves a new adapter by name (outputs equal
+    the merged reference), malformed adapters are 400s naming the reason and leave nothing listed, unload is a
+    409 while a request uses the adapter and succeeds after; then its name is a 404 and its id is never served
+    again. Without the switch the routes do not exist."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    import threading
+    import time
+
+    import httpx
+
+    from kernel_lab.server.background import BackgroundServer
+    from kernel_lab.server.launch import build_server
+
+    checkpoint, hf, adapters, _ = setup
+    r8 = adapters["r8"][0].lora_path
+    args = serve_args(checkpoint, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
+    app, async_engine = build_server(args)
+    with BackgroundServer(app) as server:
+        assert async_engine.ready_event.wait(60) and async_engine.state == "ready", async_engine.error
+        rsp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "r8", "lora_path": r8})
+        assert rsp.status_code == 404, "the routes exist only behind VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    (tmp_path / "corrupt").mkdir()
+    shutil.copy(adapters["r8"][0].lora_path + "/adapter_config.json", tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "adapter_config.json").write_text("{r: 8")
+    shutil.copy(adapters["r8"][0].lora_path + "/adapter_model.safetensors", tmp_path / "badjson")
+    write_adapter(tmp_path / "dora", hf, 8, 16, False, ("q_proj",), seed=9, use_dora=True)
+    malformed = {"corrupt": "cannot be read", "badjson": "not valid JSON", "dora": "DoRA",
+                 "missing": "no such directory", "r32": "rank 32 is above max_lora_rank 16"}
+    app, async_engine = build_server(args)
+    with BackgroundServer(app) as server:
+        assert async_engine.ready_event.wait(60) and async_engine.state == "ready", async_engine.error
+        url, engine = server.url, async_engine.engine
+
+        def post(route, **body):
+            return httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+
+        for name, reason in malformed.items():
+            path = adapters[name][0].lora_path if name in adapters else str(tmp_path / name)
+            rsp = post("load_lora_adapter", lora_name=name, lora_path=path)
+            assert rsp.status_code == 400 and f"LoRA adapter {name!r}" in rsp.json()["error"]["message"], rsp.text
+            assert reason in rsp.json()["error"]["message"], (name, rsp.text)
+        assert post("load_lora_adapter", lora_name="x").status_code == 400       # no lora_path
+        rsp = post("load_lora_adapter", lora_name="r8", lora_path=r8)
+        assert rsp.status_code == 200, rsp.text
+        assert post("load_lora_adapter", lora_name="r8", lora_path=r8).status_code == 400  # already loaded
+        listing = httpx.get(url + "/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in listing] == [(listing[0]["id"], None), ("r8", listing[0]["id"])]
+        (want,) = references(setup, engine, [(OTHER, "r8")])
+        body = {"model": "r8", "prompt": OTHER, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        assert post("completions", **body).json()["choices"][0]["text"] == engine.tokenizer.decode(want)
+
+        # a request holds the adapter (the engine paused, so it stays unfinished): unload is refused
+        async_engine.pause()
+        held = {}
+        client = threading.Thread(target=lambda: held.update(rsp=post("completions", **body)))
+        client.start()
+        deadline = time.monotonic() + 30
+        while not engine.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rsp = post("unload_lora_adapter", lora_name="r8")
+        assert rsp.status_code == 409 and rsp.json()["error"]["code"] == "lora_adapter_in_use", rsp.text
+        async_engine.resume()
+        client.join(60)
+        assert held["rsp"].json()["choices"][0]["text"] == engine.tokenizer.decode(want)
+
+        assert post("unload_lora_adapter", lora_name="r8", lora_int_id=99).status_code == 404
+        (lora_id,) = engine.list_loras()
+        assert post("unload_lora_adapter", lora_name="r8").status_code == 200
+        assert engine.list_loras() == set() and engine.lora.slot_ids == [None, None]   # its slot freed
+        assert post("completions", **body).status_code == 404
+        assert post("unload_lora_adapter", lora_name="r8").status_code == 404
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [listing[0]["id"]]
+        # loading it again gives it a new id; the old one is refused (the prefix cache keys blocks by id)
+        assert post("load_lora_adapter", lora_name="r8", lora_path=r8).status_code == 200
+        assert post("completions", **body).json()["choices"][0]["text"] == engine.tokenizer.decode(want)
+        assert engine.list_loras() == {lora_id + 1}
+    with pytest.raises(LoRAAdapterError, match="was removed"):
+        engine.lora.register(LoRARequest("r8", lora_id, r8))
