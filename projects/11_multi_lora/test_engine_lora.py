@@ -410,6 +410,11 @@ def test_server_selects_adapters_by_model(setup, tmp_path):
             body = {"model": name, "prompt": OTHER, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
             got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
             assert got["choices"][0]["text"] == engine.tokenizer.decode(tokens), name
+        chats = {name: httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": [{"role": "user", "content": OTHER}], "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True}).json()["choices"][0]["message"]["content"]
+            for name in ("r8", base_name)}
+        assert chats["r8"] != chats[base_name], "chat must route the adapter too"
         missing = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": OTHER}, timeout=60)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert httpx.get(server.url + "/v1/models/nope").status_code == 404
