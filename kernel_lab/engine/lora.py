@@ -279,8 +279,9 @@ class LoRAManager:
         self.static_rows = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=device)
 
     # ------------------------------------------------------------------------------------------- registry
-    def register(self, request: LoRARequest) -> LoRAAdapter:
-        """Parse (once per lora_int_id) and check the adapter a request names; raises LoRAAdapterError."""
+    def register(self, request: LoRARequest, parsed: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Parse (once per lora_int_id) and check the adapter a request names; raises LoRAAdapterError.
+        `parsed`: load_peft_adapter's result for it, read elsewhere (the server reads off the engine thread)."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora_request must be a kernel_lab.engine.LoRARequest, got {type(request).__name__}")
         if request.lora_int_id in self.retired:
@@ -295,7 +296,9 @@ class LoRAManager:
                                        f"already names adapter {known.request.lora_name!r} "
                                        f"({known.request.lora_path})")
             return known
-        adapter = load_peft_adapter(request, self.config, self.max_lora_rank)
+        adapter = parsed if parsed is not None else load_peft_adapter(request, self.config, self.max_lora_rank)
+        if adapter.request != request:
+            raise ValueError(f"the parsed adapter is {adapter.request!r}, not {request!r}")
         self.adapters[request.lora_int_id] = adapter
         return adapter
 

@@ -3,20 +3,22 @@
     POST /v1/load_lora_adapter    {"lora_name": ..., "lora_path": ...}          200, or 400 naming the reason
     POST /v1/unload_lora_adapter  {"lora_name": ..., "lora_int_id": optional}   200, 404 unknown, 409 in use
 
-A loaded adapter is served under its name (a request's `model`) and listed by /v1/models. The adapter is read
-and checked on the engine thread between two steps, so a malformed one is refused before any request can
-name it. Ids are never reused within a server: the prefix cache keys blocks by adapter id, and the engine
-refuses an id it has removed.
+A loaded adapter is served under its name (a request's `model`) and listed by /v1/models. The adapter's
+files are read and checked on a worker thread, then registered on the engine thread between two steps: a
+malformed one is refused before any request can name it, and a load does not stall the running requests.
+Ids are never reused within a server: the prefix cache keys blocks by adapter id, and the engine refuses an
+id it has removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from kernel_lab.engine.lora import LoRAAdapterInUse, LoRARequest
+from kernel_lab.engine.lora import LoRAAdapterError, LoRAAdapterInUse, LoRARequest, load_peft_adapter
 
 from .protocol import APIError, _Strict, bad_request, engine_error
 from .serving import OpenAIServing
@@ -65,10 +67,18 @@ class LoRAServing(OpenAIServing):
         if name in self.lora_requests or name == self.model_name or name in self._busy:
             raise bad_request(f"the LoRA adapter {name!r} has already been loaded"
                               if name != self.model_name else f"{name!r} is the served model's name", "lora_name")
+        manager = getattr(self.engine, "lora", None)
+        if manager is None:
+            raise bad_request("this server was started without --enable-lora", "lora_name")
         request = LoRARequest(name, next(self._ids), path)
         self._busy.add(name)
         try:
-            await self._on_engine(lambda engine: engine.add_lora(request))
+            try:   # reading the files happens off the engine thread, so the running requests keep stepping
+                parsed = await asyncio.get_running_loop().run_in_executor(
+                    None, load_peft_adapter, request, manager.config, manager.max_lora_rank)
+            except LoRAAdapterError as exc:
+                raise bad_request(str(exc), "lora_path") from exc
+            await self._on_engine(lambda engine: engine.lora.register(request, parsed))
         finally:
             self._busy.discard(name)
         self.lora_requests[name] = request

@@ -456,6 +456,15 @@ def test_server_loads_and_unloads_adapters_at_runtime(setup, tmp_path, monkeypat
         assert rsp.status_code == 404, "the routes exist only behind VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    from kernel_lab.server import serving_lora
+
+    readers = []   # the threads that read adapter files: never the engine's (a load must not stall steps)
+
+    def reading(*a):
+        readers.append(threading.current_thread().name)
+        return load_peft_adapter(*a)
+
+    monkeypatch.setattr(serving_lora, "load_peft_adapter", reading)
     (tmp_path / "corrupt").mkdir()
     shutil.copy(adapters["r8"][0].lora_path + "/adapter_config.json", tmp_path / "corrupt")
     (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
@@ -481,6 +490,7 @@ def test_server_loads_and_unloads_adapters_at_runtime(setup, tmp_path, monkeypat
         assert post("load_lora_adapter", lora_name="x").status_code == 400       # no lora_path
         rsp = post("load_lora_adapter", lora_name="r8", lora_path=r8)
         assert rsp.status_code == 200, rsp.text
+        assert len(readers) == len(malformed) + 1 and "kernel-lab-engine" not in readers, readers
         assert post("load_lora_adapter", lora_name="r8", lora_path=r8).status_code == 400  # already loaded
         listing = httpx.get(url + "/v1/models").json()["data"]
         assert [(m["id"], m["parent"]) for m in listing] == [(listing[0]["id"], None), ("r8", listing[0]["id"])]
