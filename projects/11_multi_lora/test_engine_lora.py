@@ -525,3 +525,8 @@ def test_server_loads_and_unloads_adapters_at_runtime(setup, tmp_path, monkeypat
         assert engine.list_loras() == {lora_id + 1}
     with pytest.raises(LoRAAdapterError, match="was removed"):
         engine.lora.register(LoRARequest("r8", lora_id, r8))
+    app, async_engine = build_server(serve_args(checkpoint))   # the switch on, LoRA off
+    with BackgroundServer(app) as server:
+        assert async_engine.ready_event.wait(60) and async_engine.state == "ready", async_engine.error
+        rsp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "r8", "lora_path": r8})
+        assert rsp.status_code == 400 and "--enable-lora" in rsp.json()["error"]["message"], rsp.text
