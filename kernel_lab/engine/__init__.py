@@ -8,8 +8,9 @@
 from .config import EngineConfig
 from .llm import LLM
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+           "CompletionOutput", "Logprob", "LoRARequest"]

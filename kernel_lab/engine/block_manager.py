@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .lora import prefix_root
 from .sequence import Sequence
 
 
@@ -54,11 +55,13 @@ class BlockManager:
         return blocks_needed(num_tokens, self.block_size)
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """Chain hashes of the sequence's first `num_full_blocks` blocks (computed once, then reused)."""
+        """Chain hashes of the sequence's first `num_full_blocks` blocks (computed once, then reused). The
+        first block's parent is its LoRA adapter's id (None for the base model)."""
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(chain_hash(hashes[-1] if hashes else prefix_root(seq),
+                                     tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes[:num_full_blocks]
 
     def _lookup(self, seq: Sequence) -> list[int]:

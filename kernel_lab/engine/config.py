@@ -119,6 +119,9 @@ class EngineConfig:
     generation_config: str = _option("auto", "request defaults: auto takes the model's generation_config.json "
                                              "sampling values where a request sets none; vllm ignores them",
                                      choices=GENERATION_CONFIG_CHOICES)
+    enable_lora: bool = _option(False, "serve LoRA adapters (LLM.generate(..., lora_request=LoRARequest(...)))")
+    max_loras: int = _option(1, "LoRA adapters resident at once (device slots; LRU eviction)")
+    max_lora_rank: int = _option(16, "largest LoRA rank an adapter may have (slots are padded to it)")
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
@@ -135,7 +138,7 @@ class EngineConfig:
         self.model_name = _model_name(self.model, self.model_dir)
         self.sampling_defaults = sampling_defaults(self.model_dir, self.generation_config)
 
-        for name in ("max_model_len", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_seqs", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -49,18 +49,24 @@ class LLM:
         (--generation-config auto, EngineConfig.sampling_defaults) over SamplingParams' own defaults."""
         return SamplingParams(**self.engine.config.sampling_defaults)
 
-    def _run(self, prompts: list, params) -> list[RequestOutput]:
+    def _run(self, prompts: list, params, lora_request=None) -> list[RequestOutput]:
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
             params_list = list(params)
         else:
             params_list = [params if params is not None else self.get_default_sampling_params()] * len(prompts)
+        if isinstance(lora_request, (list, tuple)):  # vLLM's form: one per prompt
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
+            for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
                 request_id = self._next_id()
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:
@@ -73,21 +79,22 @@ class LLM:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """prompts: a str, a list of str, a list of token ids, or a list of token-id lists. Outputs keep
-        the prompts' order."""
+        the prompts' order. lora_request: a LoRARequest for every prompt, or a list with one (or None, the
+        base model) per prompt (an engine with enable_lora=True)."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params)
+        return self._run(list(prompts), sampling_params, lora_request)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
-        return self._run(prompts, sampling_params)
+        return self._run(prompts, sampling_params, lora_request)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one completion as they are produced. `prompt` may be a conversation."""

@@ -19,6 +19,7 @@ from .errors import RequestFieldError
 from .grammar import GrammarCompileService, StructuredOutputManager
 from .interface import EngineStats
 from .logits_processors import bad_words_token_ids
+from .lora import LoRAManager, LoRARequest
 from .model_loader import load_model
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -34,9 +35,12 @@ class LLMEngine:
     def __init__(self, model=None, **options):
         self.config = config = EngineConfig(model, **options)
         model, self.tokenizer = load_model(config)
+        self.lora = (LoRAManager(model, config.model_config, config.max_loras, config.max_lora_rank, config.dtype,
+                                 config.device, config.max_num_seqs) if config.enable_lora else None)
         self.runner = ModelRunner(config, model)    # sizes the KV pool: config.num_kv_blocks
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler.lora = self.lora
         self.output_processor = OutputProcessor(self.tokenizer, config.max_model_len, self.scheduler.finish)
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
@@ -53,8 +57,10 @@ class LLMEngine:
             raise RequestFieldError("prompt", "prompt is empty")
         raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Everything that can refuse the request runs before any of the engine's state holds it."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Everything that can refuse the request runs before any of the engine's state holds it (a LoRA
+        adapter is read and checked here, once per lora_int_id)."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -65,7 +71,12 @@ class LLMEngine:
         if not ids:
             raise RequestFieldError("prompt", "prompt is empty (it has no tokens)")
         params.verify(self.config.vocab_size, self.config.max_model_len, ids)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("a lora_request needs an engine with enable_lora=True")
+            self.lora.register(lora_request)
         request = Request(request_id, text, ids, params, next(self._arrivals))
+        request.lora_request = lora_request
         request.controls = params.controls(self.tokenizer.eos_token_ids,
                                            bad_words_token_ids(self.tokenizer, params.bad_words))
         self.output_processor.add_request(request)
@@ -98,6 +109,21 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
+
+    # vLLM's runtime adapter calls (the server's /v1/load_lora_adapter and /v1/unload_lora_adapter)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (a request naming it later finds it registered)."""
+        if self.lora is None:
+            raise ValueError("adding a LoRA adapter needs an engine with enable_lora=True")
+        self.lora.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (False if unknown); refused while unfinished requests use it."""
+        return self.lora is not None and self.lora.unregister(lora_id, self.requests.values())
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.adapters)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

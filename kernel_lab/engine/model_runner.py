@@ -69,6 +69,7 @@ class ModelRunner:
                                      and config.kv_cache_dtype in KV_FORMATS
                                      and load_library() is not None and load_library("norm_activation") is not None)
 
+        self.lora = getattr(model, "lora_manager", None)   # engine/lora.py: the step's row -> adapter slot map
         self.max_num_seqs = config.max_num_seqs
         self.graph_sizes = sorted({b for b in CUDA_GRAPH_BATCH_SIZES if b < self.max_num_seqs} | {self.max_num_seqs})
         self.graphs: dict[int, tuple] = {}
@@ -198,6 +199,8 @@ class ModelRunner:
                 prefix = all_prefix[offset:offset + num_cached] if num_cached else None
                 meta.prefills.append(PrefillChunk(start, end, num_cached, prefix))
         self._check_step_inputs(meta)
+        if self.lora is not None:
+            self.lora.set_rows(step.row_seqs)
         hidden = self.model(self._to_device("ids", step.input_ids, torch.int64),
                             self._to_device("positions", step.positions, torch.int64), self.layer_caches, meta)
         if step.prompt_chunks:
@@ -227,6 +230,8 @@ class ModelRunner:
                                  decode_block_tables=self.static_tables[:size], decode_seq_lens=self.static_lens[:size])
 
     def _static_forward(self, size: int) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.use_static_rows(size)
         hidden = self.model(self.static_ids[:size], self.static_positions[:size], self.layer_caches,
                             self._static_meta(size))
         return self.model.compute_logits(hidden)
@@ -248,6 +253,8 @@ class ModelRunner:
         self.static_lens[:size].copy_(self._to_device("lens", lens + [0] * pad, torch.int32), non_blocking=True)
         self.static_tables[:n].copy_(self._to_device("tables", tables, torch.int32), non_blocking=True)
         self._check_step_inputs(self._static_meta(size))
+        if self.lora is not None:
+            self.lora.fill_static_rows(step.row_seqs, size)
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.lora = None    # the LoRAManager (lora.py) when LoRA is enabled: a sequence needs its adapter's slot
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -69,8 +70,12 @@ class Scheduler:
         # Admitting while preempting would only thrash: wait until running sequences free blocks.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if self.lora is not None and not self.lora.can_admit(seq):
+                break
             if not bm.allocate(seq, budget):
                 break
+            if self.lora is not None:
+                self.lora.acquire(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -81,6 +86,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -114,4 +121,6 @@ class Scheduler:
             except ValueError:
                 pass
         self.block_manager.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         seq.status = SequenceStatus.FINISHED

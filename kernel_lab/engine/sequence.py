@@ -76,6 +76,7 @@ class Request:
         self.params = params
         self.controls = None                    # SamplingControls: the logits processors' inputs, if any
         self.grammar = None                     # GrammarRequest, when the output is structured
+        self.lora_request = None                # LoRARequest (lora.py), when it runs under an adapter
         self.error: Exception | None = None     # why the engine refused it after add_request (a bad grammar)
         # SamplingParams.prompt_logprobs: per prompt position, {token id: Logprob} (None for the first)
         self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \

@@ -4,7 +4,8 @@ API-key check and the engine's lifespan.
     POST /v1/completions        legacy completions              serving_completion.py
     POST /v1/chat/completions   chat, through the chat template  serving_chat.py
     POST /tokenize, /detokenize vLLM's shapes                   serving_tokenization.py
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served model and its LoRA adapters (--lora-modules)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with VLLM_ALLOW_RUNTIME_LORA_UPDATING  serving_lora.py
     GET  /health                200 ready, 503 still loading, 500 engine dead
     GET  /metrics               Prometheus text format (see metrics.py)
 
@@ -15,9 +16,9 @@ is a new module with an OpenAIServing subclass and an `add_routes(app, serving)`
 Tokenizing and chat-template rendering run on a bounded thread pool (preparation.py), never on the event
 loop, so /health and open streams keep answering while a large request is prepared.
 
-Error statuses: 400 malformed JSON / bad parameter / prompt too long, 401 bad key, 404 unknown model or
-route, 429 (with Retry-After) waiting queue or preparation pool full, 500 engine failure, 503 model still
-loading.
+Error statuses: 400 malformed JSON / bad parameter / prompt too long / unusable LoRA adapter, 401 bad key,
+404 unknown model, adapter or route, 409 unloading an adapter requests still use, 429 (with Retry-After)
+waiting queue or preparation pool full, 500 engine failure, 503 model still loading.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import serving_chat, serving_completion, serving_tokenization
+from . import serving_chat, serving_completion, serving_lora, serving_tokenization
 from .async_engine import AsyncEngine
 from .preparation import PreparationPool
 from .protocol import APIError, bad_request, engine_error, validation_message
-from .serving import OpenAIServing
+from .serving import OpenAIServing, lora_requests
 
 ENDPOINTS = ((serving_completion, serving_completion.CompletionServing), (serving_chat, serving_chat.ChatServing),
              (serving_tokenization, serving_tokenization.TokenizationServing))
@@ -61,10 +62,13 @@ class BearerAuth:
 
 
 def models(serving: OpenAIServing) -> dict:
+    """The base model, then each --lora-modules adapter with the base as its `parent` (vLLM's listing)."""
     serving.check_ready()
-    return {"object": "list", "data": [{
-        "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kernel-lab",
-        "root": serving.model_path or serving.model_name, "max_model_len": serving.max_model_len}]}
+    base = {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kernel-lab",
+            "root": serving.model_path or serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
+    adapters = [{**base, "id": name, "root": str(lora.lora_path), "parent": serving.model_name}
+                for name, lora in serving.lora_requests.items()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 def health(async_engine: AsyncEngine) -> JSONResponse:
@@ -86,9 +90,11 @@ def metrics_text(async_engine: AsyncEngine) -> str:
 
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              model_path: str | None = None, manage_engine: bool = True) -> FastAPI:
+              model_path: str | None = None, manage_engine: bool = True,
+              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The ASGI app. With manage_engine, the app's lifespan starts the engine thread (which loads the
-    model while the server already answers /health with 503) and stops it on shutdown."""
+    model while the server already answers /health with 503) and stops it on shutdown.
+    allow_runtime_lora_updating adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
     # A request being prepared is as much a waiting request as one queued for its first token: one bound,
     # --max-waiting, covers both (each job's text is already bounded by the prompt character limit).
@@ -104,9 +110,12 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="kernel-lab OpenAI-compatible server", lifespan=lifespan)
-    facts = dict(served_model_name=served_model_name, model_path=model_path, preparation=preparation)
+    facts = dict(served_model_name=served_model_name, model_path=model_path, preparation=preparation,
+                 lora_requests_by_name=lora_requests(lora_modules))
     for module, serving_class in ENDPOINTS:
         module.add_routes(app, serving_class(async_engine, **facts))
+    if allow_runtime_lora_updating:
+        serving_lora.add_routes(app, serving_lora.LoRAServing(async_engine, **facts))
     server = OpenAIServing(async_engine, **facts)
 
     @app.exception_handler(APIError)
@@ -135,7 +144,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str | None = None
     async def model(model_id: str):
         listing = models(server)
         server.check_model(model_id)
-        return listing["data"][0]
+        return next(m for m in listing["data"] if m["id"] == model_id)
 
     @app.get("/health")
     async def get_health():

@@ -135,6 +135,15 @@ class RequestStream:
             self.queue.put_nowait(_CLOSED)
 
 
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
+
+
 _CLOSED = object()  # queued by RequestStream.close() so a waiting consumer stops
 _ADMITTED = object()  # posted by the engine thread once add_request took a request
 
@@ -211,7 +220,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop API
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request (its params with output_kind=DELTA) for the engine thread. Raises EngineNotReady,
         EngineDead or QueueFull at once; an engine-side refusal (RequestRejected) arrives through the stream."""
@@ -232,9 +242,18 @@ class AsyncEngine:
                 list(prompt_token_ids),
                 params,
                 time.monotonic() if arrival is None else arrival,
+                lora_request,
             )
         )
         return stream
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps (the engine is single-threaded; the LoRA
+        load/unload routes use this): its result, or the exception it raised."""
+        self.check_ready()
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, future))
+        return await future
 
     def retry_after_s(self) -> int:
         """A hint for Retry-After: about one mean request latency, 1 to 60 s."""
@@ -299,13 +318,22 @@ class AsyncEngine:
             dead = EngineDead(f"the engine crashed: {exc!r}")
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, dead)
+        # a call() still queued would wait forever: it gets the engine's end instead
+        while self._loop is not None and not self._loop.is_closed():
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "call":
+                self._loop.call_soon_threadsafe(_settle, command[2], None, EngineDead("the engine is not running"))
 
     def _apply(self, engine, command: tuple, errors: list) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, arrival = command
+            _, request_id, prompt_ids, params, arrival, lora = command
             try:
-                engine.add_request(request_id, prompt_ids, params)
+                # the keyword only where an adapter is named: engines without LoRA keep their signature
+                engine.add_request(request_id, prompt_ids, params, **({"lora_request": lora} if lora else {}))
             except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
                 if not is_client_error(exc):
                     log.exception("add_request failed for %s", request_id)
@@ -313,6 +341,14 @@ class AsyncEngine:
                 return
             self._tracked[request_id] = _Tracked(arrival, len(prompt_ids))
             errors.append((request_id, _ADMITTED))
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                outcome = (fn(engine), None)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop goes on
+                outcome = (None, exc)
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(_settle, future, *outcome)
         elif kind == "abort":
             request_id = command[1]
             tracked = self._tracked.pop(request_id, None)

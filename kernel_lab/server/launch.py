@@ -49,6 +49,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template text) in place of the model's")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) a request's `model` field selects; needs --enable-lora")
     add_engine_arguments(parser)
 
 
@@ -75,15 +77,38 @@ def read_chat_template(spec: str | None) -> str | None:
         raise ChatTemplateError(f"--chat-template file {spec!r} is not UTF-8 text: {exc.reason}") from None
 
 
+def parse_lora_modules(specs: list[str] | None, enable_lora: bool) -> dict[str, str]:
+    """--lora-modules NAME=PATH ...: {name: path}; a malformed or repeated entry fails the start
+    (ServeArgumentError), before any model loads."""
+    modules: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ServeArgumentError(f"--lora-modules takes NAME=PATH entries, got {spec!r}")
+        if name in modules:
+            raise ServeArgumentError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    if modules and not enable_lora:
+        raise ServeArgumentError("--lora-modules needs --enable-lora")
+    return modules
+
+
+class ServeArgumentError(ValueError):
+    """A `serve` flag's value is unusable; `kernel-lab serve` reports it and exits with status 2."""
+
+
 def build_server(args):
     """(ASGI app, its AsyncEngine) for parsed `serve` flags; the engine loads when the app starts. run_serve
     runs the app under uvicorn; tests start the same app in-process (server.background)."""
     from .app import build_app
     from .async_engine import AsyncEngine
+    from .serving import lora_requests
+    from .serving_lora import runtime_updates_allowed
 
     log = logging.getLogger("kernel_lab.server")
     kwargs = engine_kwargs(args)
     chat_template = read_chat_template(args.chat_template)
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None), kwargs.get("enable_lora", False))
 
     def build_engine():
         from kernel_lab.engine import LLMEngine
@@ -92,10 +117,15 @@ def build_server(args):
         engine = LLMEngine(**kwargs)
         if chat_template is not None:
             engine.tokenizer.set_chat_template(chat_template)
+        if engine.config.model_name in lora_modules or (args.served_model_name or "") in lora_modules:
+            raise ServeArgumentError("a --lora-modules name must differ from the served model's name")
+        for lora in lora_requests(lora_modules).values():  # read and check each now: a bad one fails the start
+            engine.lora.register(lora)
         return engine
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
-    app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model)
+    app = build_app(async_engine, served_model_name=args.served_model_name, api_key=args.api_key, model_path=args.model,
+                    lora_modules=lora_modules, allow_runtime_lora_updating=runtime_updates_allowed(os.environ))
     return app, async_engine
 
 
@@ -115,7 +145,7 @@ def run_serve(args) -> int:
         return 2
     try:
         app, async_engine = build_server(args)
-    except ChatTemplateError as exc:
+    except (ChatTemplateError, ServeArgumentError) as exc:
         print(f"kernel-lab serve: {exc}", file=sys.stderr)
         return 2
     server = uvicorn.Server(

@@ -61,10 +61,22 @@ class Job:
             self.prompt_logprobs = delta.prompt_logprobs
 
 
+def lora_requests(lora_modules: dict[str, str] | None) -> dict:
+    """--lora-modules {name: path} as LoRARequests (ids in flag order, from 1): a request's `model` field
+    selects one by name."""
+    from kernel_lab.engine.lora import LoRARequest
+
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate((lora_modules or {}).items())}
+
+
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str | None = None,
-                 model_path: str | None = None, preparation: PreparationPool | None = None):
+                 model_path: str | None = None, preparation: PreparationPool | None = None,
+                 lora_modules: dict[str, str] | None = None, lora_requests_by_name: dict | None = None):
         self.async_engine = async_engine
+        # {name: LoRARequest}: the app passes one dict to every endpoint, which the runtime load/unload
+        # routes change in place; lora_modules builds a private one
+        self.lora_requests = lora_requests(lora_modules) if lora_requests_by_name is None else lora_requests_by_name
         self.preparation = preparation or PreparationPool()  # the app shares one between its endpoints
         self._served_name = served_model_name
         self.model_path = model_path
@@ -97,10 +109,15 @@ class OpenAIServing:
         except (EngineNotReady, EngineDead) as exc:
             raise engine_error(exc) from exc
 
-    def check_model(self, requested: str | None) -> None:
+    def check_model(self, requested: str | None):
+        """The LoRARequest of the adapter `requested` names, None for the base model; 404 for anything else."""
+        if requested in self.lora_requests:
+            return self.lora_requests[requested]
         if requested is not None and requested != self.model_name:
-            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{self.model_name}`.",
+            served = ", ".join(f"`{n}`" for n in (self.model_name, *self.lora_requests))
+            raise APIError(404, f"The model `{requested}` does not exist. This server serves {served}.",
                            param="model", code="model_not_found")
+        return None
 
     # ---------------------------------------------------------------- request building
     @property
@@ -209,13 +226,14 @@ class OpenAIServing:
         except GrammarCompileError as exc:
             raise bad_request(str(exc), spec.param) from exc
 
-    async def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float) -> None:
+    async def submit(self, jobs: list[Job], request_id: str, params: SamplingParams, arrival: float,
+                     lora_request=None) -> None:
         """Queue the jobs and wait until the engine took them: the engine's add_request is where a request
         is checked against the model, once, so its refusal is a 400 before any response (or stream) began."""
         try:
             for job in jobs:
                 job.stream = self.async_engine.submit(f"{request_id}-{job.prompt_index}", job.prompt_ids, params,
-                                                      arrival)
+                                                      arrival, lora_request)
             for job in jobs:
                 await job.stream.admitted()
         except BaseException as exc:  # cancelled too (the client left): nothing of the request stays queued

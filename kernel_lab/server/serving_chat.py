@@ -24,7 +24,7 @@ class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, raw: Request):
         arrival = time.monotonic()
         self.check_ready()
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self.check_prompt_chars(message_chars(body.messages), "messages")
@@ -38,7 +38,7 @@ class ChatServing(OpenAIServing):
         jobs = [Job(0, ids, None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.check_grammar(params)
-        await self.submit(jobs, request_id, params, arrival)
+        await self.submit(jobs, request_id, params, arrival, lora_request)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id, forced is not None), jobs)
         (outs,) = await self.collect(raw, jobs)

@@ -19,7 +19,7 @@ class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, raw: Request):
         arrival = time.monotonic()
         self.check_ready()
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of must equal n (this server does not rank candidates)", "best_of")
         scoring = body.echo and body.logprobs is not None   # every prompt token's logprob, then the completion's
@@ -40,7 +40,7 @@ class CompletionServing(OpenAIServing):
                                       prompt_logprobs=body.logprobs if scoring else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.check_grammar(params)
-        await self.submit(jobs, request_id, params, arrival)
+        await self.submit(jobs, request_id, params, arrival, lora_request)
         if body.stream:
             return self.sse(self._stream(body, jobs, request_id), jobs)
         choices = [self._choice(body, job, out) for job, outs in zip(jobs, await self.collect(raw, jobs), strict=True)

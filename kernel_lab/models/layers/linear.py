@@ -96,6 +96,7 @@ def linear_for(parts: list, bias: torch.Tensor | None = None) -> nn.Module:
 
 def weight_bytes(layer: nn.Module) -> int:
     """Bytes of weights a forward pass of `layer` reads."""
+    layer = getattr(layer, "base_layer", layer)  # a LoRALinear (engine/lora.py): its base weight
     if isinstance(layer, QuantizedLinear):
         return layer.weight_bytes
     return layer.weight.numel() * layer.weight.element_size()
