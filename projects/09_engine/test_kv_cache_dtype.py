@@ -93,7 +93,7 @@ def test_a_cpu_engine_runs_the_c_kernel_on_narrow_pages(name, monkeypatch):
 # What 16-bit pages may move on the bundled SmolLM2-135M (float32 weights, so the pages' own effect: the
 # quantized path's int8 activations amplify any ulp-level change, see kv_page_agreement.py's control):
 # the first token's log-probabilities of float32's top 5, at most (about 4x this machine's measurement,
-# results/09_engine/greedy-agreement-of-16-bit-kv-pages-with-float32-pages-*.json, and in the ratio of the
+# results/09_engine/greedy-agreement-of-narrow-kv-pages-with-float32-pages-*.json, and in the ratio of the
 # formats' unit roundoffs, 8), and for float16 issue 35's bar of 14/16 identical greedy sequences.
 FIRST_TOKEN_LOGPROB_SHIFT = {"float16": 0.02, "bfloat16": 0.15}
 
