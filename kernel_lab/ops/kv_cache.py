@@ -33,7 +33,7 @@ E4M3's SATFINITE conversion.
 
 Dispatch: CPU tensors always take the PyTorch reference below (with validation); CUDA tensors run the
 CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract but
-int8). The engine's fused CPU decode call writes int8 pages itself (csrc/cpu/kv_int8.h), one token after
+int8). The engine's fused CPU decode call writes int8 and fp8 pages itself (csrc/cpu/kv_int8.h), one token after
 another: this reference called once per token, bit for bit.
 """
 

@@ -27,10 +27,10 @@ Contract
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
   layers) passes False.
 
-Dispatch: CPU float32 q with float32, float16, bfloat16 or int8 caches run the plain-C kernel
+Dispatch: CPU float32 q with float32, float16, bfloat16, int8 or fp8 caches run the plain-C kernel
 `kernel_lab/csrc/cpu/paged_decode_attention.c` (built on first use by `cpu_kernels.py`; it reads each page in
 place, once, with an online softmax, widening narrow pages in registers, and trusts the table values, so
-`validate=False` is for tables already checked). Other CPU inputs (fp16 or bf16 q, an fp8 cache), or any
+`validate=False` is for tables already checked). Other CPU inputs (fp16 or bf16 q), or any
 without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, run
 `paged_decode_attention_reference` (materialising, float32 softmax). CUDA tensors run the CUDA C++ kernel
 in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
@@ -365,7 +365,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         check_table_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
-        if q.dtype == torch.float32 and k_cache.dtype != FP8_DTYPE:
+        if q.dtype == torch.float32:
             from .cpu_kernels import paged_decode_attention_cpu
 
             result = out if out is not None else torch.empty(q.shape, dtype=q.dtype)

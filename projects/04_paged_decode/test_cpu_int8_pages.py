@@ -1,5 +1,7 @@
-"""int8 KV pages (one float32 scale per page and KV head, project 05's policy) in the CPU C kernels, in every
-ISA path this CPU can run (the native build, `-mno-avx512f` and `-mno-avx`, each checked to report its path).
+"""int8 and fp8 E4M3 KV pages (one float32 scale per page and KV head, project 05's policy) in the CPU C
+kernels, in every ISA path this CPU can run (the native build, `-mno-avx512f` and `-mno-avx`, each checked to
+report its path). The int8 contract is stated here; fp8's differs in the per-element bound only (below), and
+every test of the read, the contract, batch invariance and the fused call runs on both formats.
 
 The contract, as kernel_lab/ops/kv_cache.py states it: a page's scale s is the smallest power of two >=
 amax / 127 over what the page and head has received, a page whose scale grows is requantised, and every
@@ -9,9 +11,15 @@ For attention that means (exact arithmetic after the rounding, e the realised K/
 at most D_t = scale * sum_d |q_d| |e^k_td|, each softmax weight by a factor within exp(+-2 max_t D_t), so
 |o~_d - o_d| <= (exp(2D) - 1) sum_t p_t (|v_td| + |e^v_td|) + sum_t p_t |e^v_td| (`output_error_bound`).
 With an outlier channel the scale follows the outlier, so the other channels lose precision: the per-element
-bound is in units of the page's scale, not of the element. What is checked:
+bound is in units of the page's scale, not of the element.
 
-- the fused call's write (kl_write_kv_int8) is kv_cache.write_kv_reference called once per token, byte for
+fp8 (E4M3, code max 448): the first rounding errs by at most 2^-4 |x| (3 mantissa bits) or, below 2^-6 in
+code units, half the 2^-9 step; a requantisation by a power of two is exact unless the code turns subnormal,
+then errs by half a step at the new scale, and the scales at least double: so |x - stored| <= 2^-4 |x| +
+2^-9 s at the page's final scale s if written there (project 05's bound), <= 2^-4 |x| + 2^-8 s in any order.
+What is checked:
+
+- the fused call's write (kl_write_kv_scaled) is kv_cache.write_kv_reference called once per token, byte for
   byte, scales too, with growth, NaN and inf; and the stored errors meet the per-element bound;
 - the read is exact: the int8 kernel equals the bfloat16 kernel over the dequantised pages bit for bit (the
   codes and power-of-two scales are exact in bfloat16), NaN codes included;
@@ -31,7 +39,7 @@ import torch
 
 from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels, paged_attention, paged_decode_attention, write_kv
-from kernel_lab.ops.kv_cache import INT8_NAN, dequantize_pages, write_kv_reference
+from kernel_lab.ops.kv_cache import FP8_DTYPE, INT8_NAN, dequantize_pages, write_kv_reference
 
 FLOAT32_TOLERANCE = 1e-5  # the float32 kernel's own bound (harness TOLERANCES), relative to the output's max
 
@@ -61,6 +69,23 @@ def build(request):
     expected = "scalar" if narrowed is None else _expected_isa(narrowed(f" {cpu_kernels._cpu_flags()} "))
     assert isa == expected, (extra_flags, isa)
     return lib, isa
+
+
+@pytest.fixture(params=[torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
+def page_dtype(request):
+    return request.param
+
+
+def store_nan(cache, index):
+    """A NaN into one element of int8 (its code -128) or fp8 (E4M3's NaN) pages."""
+    cache[index] = INT8_NAN if cache.dtype == torch.int8 else math.nan
+
+
+def element_bound(dtype, x, s, *, at_final_scale=False):
+    """The most |x - stored| may be for an element x of a page with final scale s (module docstring)."""
+    if dtype == torch.int8:
+        return s / 2 if at_final_scale else s
+    return 2.0 ** -4 * x.abs() + s * (2.0 ** -9 if at_final_scale else 2.0 ** -8)
 
 
 # ------------------------------------------------------------------------------------------- cases
@@ -97,10 +122,10 @@ def float_pool(rows, slots, num_blocks, block_size):
     return pool.view(num_blocks, block_size, *rows.shape[1:])
 
 
-def int8_pages(lib, k, v, slots, num_blocks, block_size):
-    """The rows written by the C kernels' int8 write (kl_write_kv_int8), one token after another."""
-    kc, vc, ks, vs = allocate_kv_cache(num_blocks, block_size, k.shape[1], k.shape[2], torch.int8)
-    cpu_kernels.write_kv_int8_cpu(k, v, kc, vc, slots, ks, vs, library=lib)
+def scaled_pages(lib, k, v, slots, num_blocks, block_size, dtype=torch.int8):
+    """The rows written by the C kernels' int8 or fp8 write (kl_write_kv_scaled), one token after another."""
+    kc, vc, ks, vs = allocate_kv_cache(num_blocks, block_size, k.shape[1], k.shape[2], dtype)
+    cpu_kernels.write_kv_scaled_cpu(k, v, kc, vc, slots, ks, vs, library=lib)
     return kc, vc, ks, vs
 
 
@@ -110,7 +135,7 @@ def values(cache, scale):
 
 # ------------------------------------------------------------------------------------------- the write
 def test_write_is_the_policy_reference_per_token_and_meets_the_element_bound(build):
-    """kl_write_kv_int8 against kv_cache.write_kv_reference called once per token, bytes and scales, over
+    """kl_write_kv_scaled against kv_cache.write_kv_reference called once per token, bytes and scales, over
     pages that grow several times, with NaN and +-inf in some rows; then the per-element bound: < s for every
     written finite element, <= s / 2 for those written at the page's final scale, NaN stored as NaN and inf as
     the range's end (then requantised like any element)."""
@@ -123,7 +148,7 @@ def test_write_is_the_policy_reference_per_token_and_meets_the_element_bound(bui
     k[4, 1, 5], k[9, 0, 0], v[11, 2, 7], v[20, 1, 1] = math.nan, math.inf, -math.inf, math.nan
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     slots[[3, 30]] = -1
-    kc, vc, ks, vs = int8_pages(lib, k, v, slots, num_blocks, block_size)
+    kc, vc, ks, vs = scaled_pages(lib, k, v, slots, num_blocks, block_size)
     rc, rv, rks, rvs = allocate_kv_cache(num_blocks, block_size, hkv, d, torch.int8)
     write_scale = torch.zeros(tokens, 2, hkv)
     for t in range(tokens):
@@ -165,17 +190,72 @@ def test_public_write_kv_takes_int8_pages_as_the_reference_does():
         write_kv(key, value, kc, vc, slots)
 
 
+def test_fp8_write_is_the_policy_reference_per_token_and_meets_the_element_bound(build):
+    """As the int8 test above, on fp8 pages: bytes (NaN of either sign, -0, codes that turn subnormal when
+    requantised) and scales equal the reference called once per token, then fp8's per-element bound."""
+    lib, isa = build
+    hkv, d, block_size, num_blocks, tokens = 3, 40, 8, 6, 37
+    g = generator(case_seed("fp8-write", isa))
+    k, v = (torch.randn(tokens, hkv, d, generator=g)
+            * torch.exp2(torch.randint(-12, 8, (tokens, 1, 1), generator=g).float()) for _ in range(2))
+    k[4, 1, 5], k[9, 0, 0], v[11, 2, 7], v[20, 1, 1], k[6, 2, 3] = math.nan, math.inf, -math.inf, -math.nan, -0.0
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[[3, 30]] = -1
+    kc, vc, ks, vs = scaled_pages(lib, k, v, slots, num_blocks, block_size, FP8_DTYPE)
+    rc, rv, rks, rvs = allocate_kv_cache(num_blocks, block_size, hkv, d, FP8_DTYPE)
+    write_scale = torch.zeros(tokens, 2, hkv)
+    for t in range(tokens):
+        write_kv_reference(k[t:t + 1], v[t:t + 1], rc, rv, slots[t:t + 1], rks, rvs)
+        if slots[t] >= 0:
+            write_scale[t, 0], write_scale[t, 1] = rks[slots[t] // block_size], rvs[slots[t] // block_size]
+    for name, ours, theirs in (("k_cache", kc, rc), ("v_cache", vc, rv), ("k_scale", ks, rks), ("v_scale", vs, rvs)):
+        assert torch.equal(_bits(ours), _bits(theirs)), (isa, name)
+    valid = slots >= 0
+    for which, rows, cache, scale in ((0, k, kc, ks), (1, v, vc, vs)):
+        stored = values(cache, scale).view(-1, hkv, d)[slots[valid]]
+        x, s = rows[valid], scale[slots[valid] // block_size][:, :, None].expand(-1, -1, d)
+        finite = x.isfinite()
+        error = (stored - x).abs()
+        assert bool((error[finite] <= element_bound(FP8_DTYPE, x, s)[finite]).all()), (isa, which)
+        kept = (write_scale[valid, which][:, :, None] == s) & finite
+        assert bool(kept.any()) and bool((~kept & finite).any()), "the case must grow some pages after a write"
+        tight = element_bound(FP8_DTYPE, x, s, at_final_scale=True)
+        assert bool((error[kept] <= tight[kept]).all()), (isa, which)
+        assert bool(stored[x.isnan()].isnan().all())
+
+
+def test_every_fp8_code_reads_as_torch_widens_it(build):
+    """All 256 E4M3 bytes (subnormals, both zeros, both NaNs) as V rows of one-token sequences, scale 1:
+    each output row is its V row (weight 1), so the kernel's widening (vector and remainder lanes) is
+    checked against torch's, value for value."""
+    lib, isa = build
+    d = 19  # a vector and a remainder on every path
+    codes = torch.arange(266, dtype=torch.int64).remainder(256).to(torch.uint8)
+    rows = codes.numel() // d
+    vc = codes[: rows * d].view(FP8_DTYPE).view(rows, 1, 1, d).contiguous()
+    kc = torch.zeros_like(vc.view(torch.uint8)).view(FP8_DTYPE)
+    ones = torch.ones(rows, 1)
+    tables = torch.arange(rows, dtype=torch.int32)[:, None]
+    q = randn((rows, 1, d), torch.float32, "cpu", 5)
+    out = poison(torch.empty_like(q))
+    assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, torch.ones(rows, dtype=torch.int32), 0.5, out,
+                                                  library=lib, k_scale=ones, v_scale=ones)
+    expected = vc.float().view(rows, 1, d)
+    assert torch.equal(out.isnan(), expected.isnan()), isa
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num()), isa
+
+
 # ------------------------------------------------------------------------------------------- the read
-def test_the_read_is_exact(build):
-    """The int8 kernel over codes and power-of-two scales equals the bfloat16 kernel over code * scale (exact
-    in bfloat16), bit for bit: scales applied to the right page and head, and to nothing else. One KV head
+def test_the_read_is_exact(build, page_dtype):
+    """The int8 (fp8) kernel over codes and power-of-two scales equals the bfloat16 kernel over code * scale
+    (exact in bfloat16), bit for bit: scales applied to the right page and head, and to nothing else. One KV head
     holds a NaN code: its query heads' outputs are NaN, the other heads' stay finite."""
     lib, isa = build
     q, k, v, slots, tables, lens, num_blocks = sequences_case(
         case_seed("int8-exact", isa), num_q_heads=6, num_kv_heads=3, head_dim=36, block_size=16,
         lengths=[200, 5, 33])
-    kc, vc, ks, vs = int8_pages(lib, k, v, slots, num_blocks, 16)
-    kc.view(-1, 3, 36)[slots[230], 1, 7] = INT8_NAN  # sequence 2's 25th token, KV head 1
+    kc, vc, ks, vs = scaled_pages(lib, k, v, slots, num_blocks, 16, page_dtype)
+    store_nan(kc.view(-1, 3, 36), (slots[230], 1, 7))  # sequence 2's 25th token, KV head 1
     out = poison(torch.empty_like(q))
     assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.2, out, library=lib, k_scale=ks,
                                                   v_scale=vs)
@@ -226,13 +306,13 @@ CONTRACT_CASES = [
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size, lengths", CONTRACT_CASES)
-def test_int8_pages_stay_within_the_bound_their_errors_imply(build, num_q_heads, num_kv_heads, head_dim,
-                                                             block_size, lengths):
+def test_scaled_pages_stay_within_the_bound_their_errors_imply(build, page_dtype, num_q_heads, num_kv_heads,
+                                                               head_dim, block_size, lengths):
     lib, isa = build
     q, k, v, slots, tables, lens, num_blocks = sequences_case(
         case_seed("int8-contract", num_q_heads, num_kv_heads, head_dim, block_size), num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, lengths=lengths)
-    kc, vc, ks, vs = int8_pages(lib, k, v, slots, num_blocks, block_size)
+    kc, vc, ks, vs = scaled_pages(lib, k, v, slots, num_blocks, block_size, page_dtype)
     scale = head_dim ** -0.5
     out = poison(torch.empty_like(q))
     assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, lens, scale, out, library=lib, k_scale=ks,
@@ -247,20 +327,21 @@ def test_int8_pages_stay_within_the_bound_their_errors_imply(build, num_q_heads,
     stored = attention64_with_bound(q, values(kc, ks), values(vc, vs), values(kc, ks), values(vc, vs), tables, lens,
                                     scale)[0]
     assert_close(out, stored, torch.float32)
-    # and the stored errors behind the bound meet the per-element contract (< the page's scale)
+    # and the stored errors behind the bound meet the per-element contract
     for x, cache, s in ((kf, kc, ks), (vf, vc, vs)):
         e = (values(cache, s) - x).abs().flatten(0, 1)[slots]
-        assert bool((e < s[slots // block_size][..., None]).all()), isa
+        limit = element_bound(page_dtype, x.flatten(0, 1)[slots], s[slots // block_size][..., None])
+        assert bool((e <= limit).all() if page_dtype != torch.int8 else (e < limit).all()), isa
 
 
-def test_batch_invariance_is_bit_exact(build):
+def test_batch_invariance_is_bit_exact(build, page_dtype):
     """A sequence's output does not depend on the rest of its batch or its place in it."""
     lib, _ = build
     lengths = [700, 3, 129, 64, 1]
     q, k, v, slots, tables, lens, num_blocks = sequences_case(case_seed("int8-batch"), num_q_heads=9,
                                                               num_kv_heads=3, head_dim=64, block_size=16,
                                                               lengths=lengths)
-    kc, vc, ks, vs = int8_pages(lib, k, v, slots, num_blocks, 16)
+    kc, vc, ks, vs = scaled_pages(lib, k, v, slots, num_blocks, 16, page_dtype)
     together = torch.empty_like(q)
     assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.125, together, library=lib,
                                                   k_scale=ks, v_scale=vs)
@@ -273,13 +354,18 @@ def test_batch_invariance_is_bit_exact(build):
         assert torch.equal(alone[0], together[b]), b
 
 
+def _bits(t):
+    """A tensor to compare bit for bit: one-byte pages as their bytes, floats with NaN as 0."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.nan_to_num()
+
+
 def _rope_rows(positions, d):
     angles = torch.tensor(positions, dtype=torch.float32)[:, None] * (
         10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d))[None]
     return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
 
 
-def test_fused_call_is_the_same_however_a_prompt_is_split(build):
+def test_fused_call_is_the_same_however_a_prompt_is_split(build, page_dtype):
     """kl_rope_write_paged_attention on int8 pages: 40 prompt rows of one sequence and a decode row of
     another, in one call, one call per row, and three uneven calls: identical pages, scales and outputs (each
     row attends after its own write, before later rows can requantise its pages). The outputs are the
@@ -293,7 +379,7 @@ def test_fused_call_is_the_same_however_a_prompt_is_split(build):
     slots = torch.tensor([int(tables[r, p // block_size]) * block_size + p % block_size
                           for r, p in zip(rows, positions)])
     # sequence 1's first 19 tokens are already in the pages; the call appends its 20th and all of sequence 0
-    base = int8_pages(lib, k[40:59], v[40:59], slots0[40:59], num_blocks, block_size)
+    base = scaled_pages(lib, k[40:59], v[40:59], slots0[40:59], num_blocks, block_size, page_dtype)
     lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
     qkv = randn((41, (hq + 2 * hkv) * d), torch.float32, "cpu", seed + 5) * 3
     qkv[::5] *= 8.0  # rows that grow their page after earlier rows of it were written
@@ -310,7 +396,7 @@ def test_fused_call_is_the_same_however_a_prompt_is_split(build):
         results.append((kc, vc, ks, vs, out))
     for other in results[1:]:
         for a, b in zip(results[0], other):
-            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+            assert torch.equal(_bits(a), _bits(b))
     kc, vc, ks, vs, out = results[0]
     assert bool(out.isfinite().all())
     qr = qkv.view(41, -1, d)[:, :hq].double()
@@ -321,12 +407,12 @@ def test_fused_call_is_the_same_however_a_prompt_is_split(build):
     assert_close(out.view(41, hq, d)[[39]], expected, torch.float32)
 
 
-def test_public_op_runs_the_c_kernel_on_int8_pages(monkeypatch):
+def test_public_op_runs_the_c_kernel_on_scaled_pages(monkeypatch, page_dtype):
     if cpu_kernels.compiler() is None:
         pytest.skip("no C compiler")
     q, k, v, slots, tables, lens, num_blocks = sequences_case(case_seed("int8-op"), num_q_heads=4, num_kv_heads=2,
                                                               head_dim=64, block_size=16, lengths=[50, 7])
-    kc, vc, ks, vs = allocate_kv_cache(num_blocks, 16, 2, 64, torch.int8)
+    kc, vc, ks, vs = allocate_kv_cache(num_blocks, 16, 2, 64, page_dtype)
     write_kv(k, v, kc, vc, slots, ks, vs)
     reference = paged_decode_attention(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs)  # the C kernel
 
@@ -338,5 +424,5 @@ def test_public_op_runs_the_c_kernel_on_int8_pages(monkeypatch):
     monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")
     fallback = paged_decode_attention(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs)
     assert float((fallback - reference).abs().max()) <= 1e-5 * max(float(reference.abs().max()), 1.0)
-    with pytest.raises(ValueError, match="v_scale is required with a torch.int8 cache"):
+    with pytest.raises(ValueError, match=f"v_scale is required with a {page_dtype} cache"):
         paged_decode_attention(q, kc, vc, tables, lens, k_scale=ks)

@@ -1,5 +1,5 @@
 """`kv_cache_dtype` (`--kv-cache-dtype`): which page formats each device takes, refusals by name, what the
-pool holds in its memory, and that a CPU engine really runs the C kernel on 16-bit and int8 pages."""
+pool holds in its memory, and that a CPU engine really runs the C kernel on 16-bit, int8 and fp8 pages."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.mark.parametrize("name, dtype", [("auto", torch.float32), ("float32", torch.float32),
                                          ("float16", torch.float16), ("bfloat16", torch.bfloat16),
-                                         ("int8", torch.int8)])
-def test_cpu_takes_float32_16_bit_and_int8_pages(name, dtype):
+                                         ("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
+                                         ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_cpu_takes_float32_16_bit_int8_and_fp8_pages(name, dtype):
     assert EngineConfig(TINY, device="cpu", kv_cache_dtype=name).kv_cache_dtype == dtype
 
 
 @pytest.mark.parametrize("name, device, activations, pattern", [
-    ("fp8", CPU, torch.float32, "kv_cache_dtype 'fp8' has no CPU attention kernel"),
-    ("fp8_e4m3", CPU, torch.float32, "kv_cache_dtype 'fp8_e4m3' has no CPU attention kernel"),
+    ("fp8", CPU, torch.bfloat16, "under float32 activations only"),
     ("float16", CPU, torch.bfloat16, "under float32 activations only"),
     ("int8", CPU, torch.bfloat16, "under float32 activations only"),
     ("int8", CUDA, torch.float16, "kv_cache_dtype 'int8' has no CUDA attention kernel"),
@@ -54,12 +54,12 @@ def test_unknown_formats_are_refused_by_name(name, pattern):
 
 def test_narrow_pages_hold_two_and_four_times_the_tokens_in_the_same_memory(monkeypatch):
     """The CPU pool's default size comes from a byte budget: the same budget holds twice the blocks (so twice
-    the tokens) in float16 or bfloat16 pages, and four times in int8 pages less their scales: a float32 K and
+    the tokens) in float16 or bfloat16 pages, and four times in int8 or fp8 pages less their scales: a float32 K and
     V scale per page and KV head, 8 bytes against 2 * block_size * head_dim code bytes (1.6% at this head_dim
     16, 0.4% at the bundled model's 64)."""
     monkeypatch.setenv("KERNEL_LAB_CPU_KV_CACHE_GB", str(1 / 64))
     blocks = {}
-    for name in ("float32", "float16", "bfloat16", "int8"):
+    for name in ("float32", "float16", "bfloat16", "int8", "fp8"):
         config = EngineConfig(TINY, device="cpu", kv_cache_dtype=name, max_model_len=4096, max_num_seqs=64)
         blocks[name] = default_num_kv_blocks(config, None)
         assert blocks[name] * config.kv_bytes_per_block() <= (1 << 30) / 64
@@ -68,9 +68,10 @@ def test_narrow_pages_hold_two_and_four_times_the_tokens_in_the_same_memory(monk
     # per block: 2 layers x 2 KV heads x (K and V codes, 16 tokens x 16 bytes each, + 2 float32 scales)
     assert blocks["int8"] == (1 << 30) // 64 // (2 * 2 * (2 * 16 * 16 + 2 * 4)), blocks
     assert 3.9 * blocks["float32"] < blocks["int8"] < 4 * blocks["float32"], blocks
+    assert blocks["fp8"] == blocks["int8"], blocks
 
 
-@pytest.mark.parametrize("name", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "int8", "fp8"])
 def test_a_cpu_engine_runs_the_c_kernel_on_narrow_pages(name, monkeypatch):
     """Every row goes through the fused C call on pages of the asked format (the fast path is not silently
     dropped), and the pages hold the tokens' K/V afterwards."""
@@ -78,7 +79,8 @@ def test_a_cpu_engine_runs_the_c_kernel_on_narrow_pages(name, monkeypatch):
         pytest.skip("the CPU kernels did not build here")
     engine = LLMEngine(TINY, device="cpu", kv_cache_dtype=name, max_model_len=256, max_num_seqs=4,
                        num_kv_blocks=32)
-    assert engine.runner.k_cache.dtype == getattr(torch, name) and engine.runner.prompt_tokens_decode
+    dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
+    assert engine.runner.k_cache.dtype == dtype and engine.runner.prompt_tokens_decode
     calls = []
     fused = cpu_kernels.rope_write_paged_attention_cpu
     monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu",
@@ -86,7 +88,7 @@ def test_a_cpu_engine_runs_the_c_kernel_on_narrow_pages(name, monkeypatch):
     engine.add_request("0", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert calls and set(calls) == {getattr(torch, name)}
+    assert calls and set(calls) == {dtype}
 
 
 # ------------------------------------------------------------------------------------------- bundled model

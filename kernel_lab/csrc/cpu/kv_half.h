@@ -1,11 +1,13 @@
-/* Narrow KV pages for paged_decode_attention.c: 16-bit (IEEE fp16 and bfloat16) and int8 codes (kv_int8.h
- * holds int8's page scales and write policy). The conversions, and the dot product and V accumulation of
+/* Narrow KV pages for paged_decode_attention.c: 16-bit (IEEE fp16 and bfloat16), int8 and fp8 E4M3 codes
+ * (kv_int8.h holds the page scales and write policy of the two scaled formats). The conversions, and the dot product and V accumulation of
  * TOKENS-token groups read straight from narrow rows.
  *
  * Reads widen in registers (AVX-512F: _mm512_cvtph_ps, 16 lanes; AVX2 with F16C and FMA: _mm256_cvtph_ps,
  * 8 lanes; bfloat16 is the top half of a float32, so it widens by a 16-bit shift; int8 sign-extends and
- * converts, its code -128 reading as NaN) and accumulate in float32. An int8 row is read as its integer
- * codes: the page scale is applied by the caller, once per score and per probability. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
+ * converts, its code -128 reading as NaN; an E4M3 byte moved into an fp16's bit positions is its value
+ * times 2^-8, widened as fp16 and scaled back exactly, NaN patched) and accumulate in float32. A scaled row
+ * (int8, fp8) is read as its codes: the page scale is applied by the caller, once per score and per
+ * probability. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
  * `kv_half_isa()` names the widest path the build took, so the tests can check each narrowed build really
  * ran its own. Writes round to nearest even, as torch's `.to(float16 / bfloat16)` does, bit for bit
  * (subnormals kept, overflow to infinity, NaN stays NaN). */
@@ -20,14 +22,17 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_F8 = 4 };
 
 /* The int8 code outside the symmetric range [-127, 127]: a NaN stored into an int8 page. */
 #define KV_I8_NAN (-128)
 
 static inline int64_t kv_element_bytes(int format) {
-    return format == KV_F32 ? 4 : format == KV_I8 ? 1 : 2;
+    return format == KV_F32 ? 4 : format == KV_I8 || format == KV_F8 ? 1 : 2;
 }
+
+/* int8 and fp8 pages hold codes with one float32 scale per page and KV head. */
+static inline int kv_scaled(int format) { return format == KV_I8 || format == KV_F8; }
 
 static inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -74,16 +79,44 @@ static inline uint16_t float_to_f16(float f) {
     return (uint16_t)(sign | (magnitude + 0xc8000fffu + (magnitude >> 13 & 1)) >> 13);
 }
 
+/* An E4M3 (fn: no infinities, S.1111.111 is NaN) byte: its exponent and mantissa fields sit in an fp16's
+ * at a bias 8 lower, so the fp16 of those bits is the value times 2^-8, subnormals included. */
+static inline uint16_t e4m3_as_f16(uint8_t b) { return (uint16_t)((b & 0x80) << 8 | (b & 0x7f) << 7); }
+
+static inline float e4m3_to_float(uint8_t b) {
+    return (b & 0x7f) == 0x7f ? NAN : f16_to_float(e4m3_as_f16(b)) * 256.0f;
+}
+
+/* Round to nearest even into E4M3 as torch's `.to(torch.float8_e4m3fn)` does, bit for bit (c10's
+ * fp8e4m3fn_from_fp32_value): magnitudes from 480 up and NaN become NaN with the input's sign (the page
+ * write clamps to +-448 first), below 2^-6 a count of 2^-9 steps. */
+static inline uint8_t float_to_e4m3(float f) {
+    uint32_t u = float_bits(f);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t result;
+    if (u >= 0x43f00000u) { /* >= 480, inf, NaN */
+        result = 0x7f;
+    } else if (u < (121u << 23)) { /* below 2^-6: adding 2^14 (ulp 2^-9) makes the FPU round to the grid */
+        result = (uint8_t)(float_bits(bits_float(u) + bits_float(141u << 23)) - (141u << 23));
+    } else {
+        const uint32_t odd = (u >> 20) & 1;
+        result = (uint8_t)((u - (120u << 23) + 0x7ffff + odd) >> 20); /* rebias 127 -> 7 */
+    }
+    return (uint8_t)(result | sign >> 24);
+}
+
 static inline float half_to_float(int format, uint16_t h) {
     return format == KV_F16 ? f16_to_float(h) : bf16_to_float(h);
 }
 
-/* Element d of a narrow row (an int8 row gives its code, unscaled). */
+/* Element d of a narrow row (an int8 or fp8 row gives its code, unscaled). */
 static inline float kv_to_float(int format, const void *row, int d) {
     if (format == KV_I8) {
         const int8_t c = ((const int8_t *)row)[d];
         return c == KV_I8_NAN ? NAN : (float)c;
     }
+    if (format == KV_F8) return e4m3_to_float(((const uint8_t *)row)[d]);
     return half_to_float(format, ((const uint16_t *)row)[d]);
 }
 
@@ -114,6 +147,15 @@ static inline kv_vec vec_load_kv(int format, const void *row, int d) {
         const __mmask16 nan = _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(KV_I8_NAN));
         return _mm512_mask_blend_ps(nan, _mm512_cvtepi32_ps(c), _mm512_set1_ps(NAN));
     }
+    if (format == KV_F8) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + d)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+        /* S.1111.111 (NaN) became 1.875 in fp16: raising its exponent field to 31 makes it an fp16 NaN */
+        const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+        h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    }
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
     if (format == KV_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -138,6 +180,14 @@ static inline kv_vec vec_load_kv(int format, const void *row, int d) {
         const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + d)));
         const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(c, _mm256_set1_epi32(KV_I8_NAN)));
         return _mm256_blendv_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(NAN), nan);
+    }
+    if (format == KV_F8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)row + d)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+        const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+        h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
     }
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
     if (format == KV_F16) return _mm256_cvtph_ps(h);

@@ -1,6 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
- * block-table KV cache of float32, float16, bfloat16 or int8 pages (`kv_format`, kv_half.h: narrow rows widen
- * in registers, every sum is float32; int8 pages carry one float32 scale per page and KV head, kv_int8.h).
+ * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
+ * rows widen in registers, every sum is float32; int8 and fp8 pages carry one float32 scale per page and KV
+ * head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -150,9 +151,9 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
             const char *k_page = (const char *)k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
             const char *v_page = (const char *)v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
-            /* int8: this page's scales, one per KV head (unused, and never read, for the other formats). */
-            const float *k_page_scale = format == KV_I8 ? k_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
-            const float *v_page_scale = format == KV_I8 ? v_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
+            /* int8, fp8: this page's scales, one per KV head (unused, and never read, for the other formats). */
+            const float *k_page_scale = kv_scaled(format) ? k_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
+            const float *v_page_scale = kv_scaled(format) ? v_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
             /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
              * entries past a sequence's last page may be padding, so only used entries are looked up. */
             int64_t next = -1;
@@ -189,7 +190,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                         } else {
                             dot_tokens_half(format, qs + h * row, k16, head_dim, s);
                             /* A power-of-two scale: the same bits as the dot product of the scaled codes. */
-                            if (format == KV_I8)
+                            if (kv_scaled(format))
                                 for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[kvh];
                         }
                     }
@@ -202,7 +203,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h)
                         scores[h * score_row + t] =
                             format == KV_F32   ? dot(qs + h * row, (const float *)k, head_dim)
-                            : format == KV_I8 ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
+                            : kv_scaled(format) ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
                                                : dot_half(format, qs + h * row, k, head_dim);
                 }
             }
@@ -252,7 +253,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                         prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
-                        if (format == KV_I8) { /* the V scale goes on the probabilities (exact: a power of two) */
+                        if (kv_scaled(format)) { /* the V scale goes on the probabilities (exact: a power of two) */
                             const float vs = v_page_scale[kvh], pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs,
                                                                               p[3] * vs};
                             accumulate_half(format, a, pv, v16, TOKENS, head_dim);
@@ -281,7 +282,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
                         if (format != KV_F32) {
-                            const float pv = format == KV_I8 ? p[0] * v_page_scale[kvh] : p[0];
+                            const float pv = kv_scaled(format) ? p[0] * v_page_scale[kvh] : p[0];
                             accumulate_half(format, a, &pv, v16, 1, head_dim);
                             continue;
                         }
@@ -306,8 +307,9 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
 }
 
 /* Strides are in elements (of the cache's format for the caches); the last dimension of q, the caches and
- * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16, KV_BF16 or KV_I8
- * (kv_half.h); `k_scale`, `v_scale`: int8 only (NULL otherwise), float32 [num_blocks, num_kv_heads], dense.
+ * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16, KV_BF16, KV_I8 or KV_F8
+ * (kv_half.h); `k_scale`, `v_scale`: int8 and fp8 only (NULL otherwise), float32 [num_blocks, num_kv_heads],
+ * dense.
  * `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, -1 when the
  * scratch buffer cannot be allocated (then nothing is written), or -2 for an unknown kv_format. */
 int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stride_h, const void *k_cache,
@@ -331,6 +333,9 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
     case KV_I8:
         if (!k_scale || !v_scale) return -2;
         return head_dim == 64 ? CALL(KV_I8, 64) : CALL(KV_I8, head_dim);
+    case KV_F8:
+        if (!k_scale || !v_scale) return -2;
+        return head_dim == 64 ? CALL(KV_F8, 64) : CALL(KV_F8, head_dim);
     default: return -2;
     }
 #undef CALL
@@ -340,9 +345,9 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
 const char *kl_paged_attention_isa(void) { return kv_half_isa(); }
 
 /* n floats into a cache row of `kv_format` (the fused call's write, exported so the tests can check its
- * rounding on chosen values). Not int8, whose rows go through a page scale (kl_write_kv_int8). */
+ * rounding on chosen values). Not int8 or fp8, whose rows go through a page scale (kl_write_kv_scaled). */
 void kl_store_kv_row(int kv_format, const float *src, int64_t n, void *dst) {
-    if (kv_format == KV_I8) return;
+    if (kv_scaled(kv_format)) return;
     if (kv_format == KV_F32)
         memcpy(dst, src, (size_t)n * sizeof(float));
     else
@@ -360,32 +365,35 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
     for (int i = half; i < head_dim; ++i) o[i] = x[i] * cos_row[i] + x[i - half] * sin_row[i];
 }
 
-/* One token's K or V rows (num_kv_heads rows of head_dim floats, `x`) into int8 pages at `slot`: project
- * 05's policy per (page, KV head), kv_int8.h. Strides in elements (bytes, for int8). */
-static void write_token_int8(const float *x, int64_t slot, int8_t *cache, float *scales, int64_t stride_block,
-                             int64_t stride_token, int64_t stride_head, int num_kv_heads, int head_dim,
-                             int block_size) {
+/* One token's K or V rows (num_kv_heads rows of head_dim floats, `x`) into int8 or fp8 pages at `slot`:
+ * project 05's policy per (page, KV head), kv_int8.h. Strides in elements (bytes, for one-byte codes). */
+static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t *cache, float *scales,
+                               int64_t stride_block, int64_t stride_token, int64_t stride_head, int num_kv_heads,
+                               int head_dim, int block_size) {
     const int64_t block = slot / block_size;
     for (int h = 0; h < num_kv_heads; ++h)
-        write_int8_row(x + (int64_t)h * head_dim, head_dim, cache + block * stride_block + h * stride_head,
-                       stride_token, block_size, (int)(slot % block_size), scales + block * num_kv_heads + h);
+        write_scaled_row(format, x + (int64_t)h * head_dim, head_dim, cache + block * stride_block + h * stride_head,
+                         stride_token, block_size, (int)(slot % block_size), scales + block * num_kv_heads + h);
 }
 
-/* `tokens` rows of K and V ([tokens, num_kv_heads, head_dim] floats, dense) into int8 pages at `slots`, one
- * token after another, as the fused call writes them (a slot of -1 stores nothing). Exported for the tests,
- * which hold it to kernel_lab/ops/kv_cache.py's reference called once per token. */
-void kl_write_kv_int8(const float *key, const float *value, const int64_t *slots, int64_t tokens, void *k_cache,
-                      void *v_cache, float *k_scale, float *v_scale, int64_t cache_stride_block,
-                      int64_t cache_stride_token, int64_t cache_stride_head, int num_kv_heads, int head_dim,
-                      int block_size) {
+/* `tokens` rows of K and V ([tokens, num_kv_heads, head_dim] floats, dense) into int8 or fp8 pages
+ * (`kv_format`) at `slots`, one token after another, as the fused call writes them (a slot of -1 stores
+ * nothing). Exported for the tests, which hold it to kernel_lab/ops/kv_cache.py's reference called once per
+ * token. Returns -2 (nothing written) for a format without page scales. */
+int kl_write_kv_scaled(int kv_format, const float *key, const float *value, const int64_t *slots, int64_t tokens,
+                       void *k_cache, void *v_cache, float *k_scale, float *v_scale, int64_t cache_stride_block,
+                       int64_t cache_stride_token, int64_t cache_stride_head, int num_kv_heads, int head_dim,
+                       int block_size) {
+    if (!kv_scaled(kv_format)) return -2;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     for (int64_t t = 0; t < tokens; ++t) {
         if (slots[t] < 0) continue;
-        write_token_int8(key + t * row, slots[t], k_cache, k_scale, cache_stride_block, cache_stride_token,
-                         cache_stride_head, num_kv_heads, head_dim, block_size);
-        write_token_int8(value + t * row, slots[t], v_cache, v_scale, cache_stride_block, cache_stride_token,
-                         cache_stride_head, num_kv_heads, head_dim, block_size);
+        write_token_scaled(kv_format, key + t * row, slots[t], k_cache, k_scale, cache_stride_block,
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+        write_token_scaled(kv_format, value + t * row, slots[t], v_cache, v_scale, cache_stride_block,
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
     }
+    return 0;
 }
 
 /* One layer's attention for a CPU decode step in a single call: RoPE on q and k, K and V stored into the
@@ -400,8 +408,8 @@ void kl_write_kv_int8(const float *key, const float *value, const int64_t *slots
  * qkv [tokens, (Hq + 2 Hkv) * head_dim] is the qkv projection's output, row stride `qkv_stride`; cos and
  * sin [tokens, head_dim] are the rows of each token's position (contiguous). Float32 and 16-bit pages: every
  * token's K and V are written before any row attends, so rows of one sequence in one call (prompt tokens)
- * see each other. Int8 pages (`k_scale`, `v_scale` as kl_paged_decode_attention's; NULL for the other
- * formats): each row is written and then attends, in row order, because a write may requantise its page:
+ * see each other. Int8 and fp8 pages (`k_scale`, `v_scale` as kl_paged_decode_attention's; NULL for the
+ * other formats): each row is written and then attends, in row order, because a write may requantise its page:
  * a row then sees its page as its own and the earlier tokens left it, never rescaled by a later token, so
  * its result does not depend on where a prompt's chunks begin. With a sliding `window` each row sees the
  * last `window` tokens of its own length. A slot
@@ -414,8 +422,8 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
                                   int64_t table_stride, const int32_t *seq_lens, int tokens, int num_q_heads,
                                   int num_kv_heads, int head_dim, int block_size, float scale, int window,
                                   float *out) {
-    if (kv_format != KV_F32 && kv_format != KV_F16 && kv_format != KV_BF16 && kv_format != KV_I8) return -2;
-    if (kv_format == KV_I8 && (!k_scale || !v_scale)) return -2;
+    if (kv_format != KV_F32 && kv_format != KV_F16 && kv_format != KV_BF16 && !kv_scaled(kv_format)) return -2;
+    if (kv_scaled(kv_format) && (!k_scale || !v_scale)) return -2;
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
     const int64_t element = kv_element_bytes(kv_format);
     /* The query rows, then the token's rotated K rows (converted from there when the pages are narrow). */
@@ -429,13 +437,13 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
         for (int h = 0; h < num_q_heads; ++h)
             rope_row(src + (int64_t)h * head_dim, c, s, head_dim, q + t * q_row + (int64_t)h * head_dim);
         const int64_t slot = slots[t];
-        if (slot >= 0 && kv_format == KV_I8) {
+        if (slot >= 0 && kv_scaled(kv_format)) {
             for (int h = 0; h < num_kv_heads; ++h)
                 rope_row(src + q_row + (int64_t)h * head_dim, c, s, head_dim, k_row + (int64_t)h * head_dim);
-            write_token_int8(k_row, slot, k_cache, k_scale, cache_stride_block, cache_stride_token,
-                             cache_stride_head, num_kv_heads, head_dim, block_size);
-            write_token_int8(src + q_row + kv_row, slot, v_cache, v_scale, cache_stride_block, cache_stride_token,
-                             cache_stride_head, num_kv_heads, head_dim, block_size);
+            write_token_scaled(kv_format, k_row, slot, k_cache, k_scale, cache_stride_block, cache_stride_token,
+                               cache_stride_head, num_kv_heads, head_dim, block_size);
+            write_token_scaled(kv_format, src + q_row + kv_row, slot, v_cache, v_scale, cache_stride_block,
+                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
         } else if (slot >= 0) {
             const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
             for (int h = 0; h < num_kv_heads; ++h) {
@@ -446,14 +454,14 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
                 kl_store_kv_row(kv_format, v, head_dim, (char *)v_cache + byte);
             }
         }
-        if (kv_format == KV_I8 && status == 0)
+        if (kv_scaled(kv_format) && status == 0)
             status = kl_paged_decode_attention(q + t * q_row, q_row, head_dim, k_cache, v_cache, kv_format, k_scale,
                                                v_scale, cache_stride_block, cache_stride_token, cache_stride_head,
                                                block_tables + t * table_stride, table_stride, seq_lens + t, 1,
                                                num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
                                                out + t * q_row, q_row, head_dim);
     }
-    if (kv_format != KV_I8)
+    if (!kv_scaled(kv_format))
         status = kl_paged_decode_attention(q, q_row, head_dim, k_cache, v_cache, kv_format, NULL, NULL,
                                            cache_stride_block, cache_stride_token, cache_stride_head, block_tables,
                                            table_stride, seq_lens, tokens, num_q_heads, num_kv_heads, head_dim,
