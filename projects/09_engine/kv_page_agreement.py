@@ -3,7 +3,7 @@
     python projects/09_engine/kv_page_agreement.py [--max-tokens 64] [--threads N] [--out results]
 
 16 chat prompts (the engine's chat template) run greedily for --max-tokens tokens, EOS ignored, all in one
-batch, on the bundled SmolLM2-135M-Instruct once per page format (float32, float16, bfloat16, int8) and weight
+batch, on the bundled SmolLM2-135M-Instruct once per page format (float32, float16, bfloat16, int8, fp8) and weight
 path: float32 weights (the pages' own effect) and the default quantized GGUF weights, whose int8
 activations turn any small change of their input into a different rounding and so amplify it (as they do
 for the SDPA-vs-kernel difference, engine/model_runner.py). Engines differ in kv_cache_dtype only. A
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from kernel_lab.bench.kv_page_agreement import CHAT_PROMPTS, compare, greedy_run  # noqa: E402
 
-FORMATS = ("float16", "bfloat16", "int8")
+FORMATS = ("float16", "bfloat16", "int8", "fp8")
 WEIGHTS = ("float32", "auto")
 
 
