@@ -1,4 +1,4 @@
-"""How far 16-bit KV pages move the bundled model from float32 pages on CPU (issue 35's accuracy bar).
+"""How far narrow (16-bit, int8, fp8) KV pages move the bundled model from float32 pages on CPU (issue 35).
 
 For each page format the same chat prompts run greedily (EOS ignored, all in one batch) on an engine that
 differs from the float32-page engine in `kv_cache_dtype` only. Two measures against float32 pages:

@@ -19,10 +19,10 @@ from .generation_defaults import GENERATION_CONFIG_CHOICES, sampling_defaults
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": FP8_DTYPE,
-              "fp8_e4m3": FP8_DTYPE}
-# Named in issue 35 but with no kernel on either device yet: refused by name rather than as unknown.
-_KV_DTYPES_WITHOUT_KERNEL = ("int8",)
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+              "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
+# Formats named in issue 35 with no kernel on either device yet, refused by name rather than as unknown (none now).
+_KV_DTYPES_WITHOUT_KERNEL = ()
 WEIGHT_CHOICES = ("auto", "quantized", "float32")
 
 
@@ -59,19 +59,18 @@ def resolve_dtype(dtype, device: torch.device, hf_config: dict) -> torch.dtype:
 
 def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The page dtype for `name` (already one of 'auto' and _KV_DTYPES), refused where no kernel reads it: on
-    CPU the C kernel reads float32, float16 and bfloat16 pages under float32 activations (fp8 pages only
-    through the PyTorch reference, so they are refused); on CUDA the kernel reads pages of the activation
-    dtype or fp8."""
+    CPU the C kernel reads float32, float16, bfloat16, int8 and fp8 pages under float32 activations; on CUDA
+    the kernel reads pages of the activation dtype or fp8 (int8 is refused)."""
     if name == "auto":
         return dtype
     resolved = _KV_DTYPES[name]
     if device.type == "cpu":
-        if resolved == FP8_DTYPE:
-            raise ValueError(f"kv_cache_dtype {name!r} has no CPU attention kernel (the CPU kernel reads float32, "
-                             "float16 and bfloat16 pages); use it with device='cuda'")
         if resolved != dtype and dtype != torch.float32:
-            raise ValueError(f"kv_cache_dtype {name!r} under dtype {dtype}: the CPU kernel reads 16-bit pages "
+            raise ValueError(f"kv_cache_dtype {name!r} under dtype {dtype}: the CPU kernel reads narrow pages "
                              "under float32 activations only; use dtype='float32' or kv_cache_dtype='auto'")
+    elif resolved == torch.int8:
+        raise ValueError(f"kv_cache_dtype {name!r} has no CUDA attention kernel (int8 pages are read on CPU); "
+                         "use 'fp8' on CUDA")
     elif resolved != dtype and resolved != FP8_DTYPE:
         raise ValueError(f"kv_cache_dtype {name!r} under dtype {dtype}: the CUDA kernel reads pages of the "
                          "activation dtype or fp8; use 'auto' or 'fp8'")
@@ -104,7 +103,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _option(None, "tokens per step (default: max(2048, max_num_seqs))")
     block_size: int = _option(16, "tokens per KV-cache block", choices=SUPPORTED_BLOCK_SIZES)
     kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache page dtype (auto: the activation dtype). CPU: "
-                                                        "float32, float16 or bfloat16 pages under float32 "
+                                                        "float32, float16, bfloat16, int8 or fp8 pages under float32 "
                                                         "activations; CUDA: the activation dtype or fp8",
                                                 choices=("auto", *_KV_DTYPES, *_KV_DTYPES_WITHOUT_KERNEL))
     enable_prefix_caching: bool = _option(True, "share the KV blocks of common prompt prefixes")

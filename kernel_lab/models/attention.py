@@ -7,7 +7,7 @@ paged cache first (`write_kv`, at `slot_mapping`); then
 - decode tokens run `paged_decode_attention` (project 04's kernel on CUDA, the C kernel on CPU), reading
   each sequence's whole context through its block table;
 - each prefill chunk runs causal `scaled_dot_product_attention` over [cached prefix from the pages, then
-  the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised when it is fp8); under a
+  the chunk's own fresh K/V]. The prefix is read back from the cache (dequantised: fp8, int8); under a
   sliding window W only its last W - 1 positions, the oldest any of the chunk's queries sees, and the mask
   is transformers' (key kv visible to query q iff q - W < kv <= q). CUDA and CPU alike, any head_dim.
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kernel_lab import ops
 from kernel_lab.ops import cpu_kernels
+from kernel_lab.ops.kv_cache import dequantize_pages
 
 
 @dataclass
@@ -56,7 +57,7 @@ class AttentionMetadata:
 class LayerKVCache:
     k_cache: torch.Tensor                 # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    k_scale: torch.Tensor | None = None   # fp8 only: float32 [num_blocks, num_kv_heads]
+    k_scale: torch.Tensor | None = None   # fp8 and int8 only: float32 [num_blocks, num_kv_heads]
     v_scale: torch.Tensor | None = None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +67,8 @@ class LayerKVCache:
         v = self.v_cache.flatten(0, 1)[slots]
         if self.k_scale is not None:
             blocks = slots // block_size
-            k = k.float() * self.k_scale[blocks][..., None]
-            v = v.float() * self.v_scale[blocks][..., None]
+            k = dequantize_pages(k, self.k_scale[blocks][..., None])
+            v = dequantize_pages(v, self.v_scale[blocks][..., None])
         return k.to(dtype), v.to(dtype)
 
 
@@ -132,5 +133,5 @@ def rope_write_paged_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torc
     out = torch.empty(qkv.shape[0], num_q_heads * cache.k_cache.shape[-1], dtype=qkv.dtype)
     cpu_kernels.rope_write_paged_attention_cpu(qkv, cos, sin, meta.slot_mapping, cache.k_cache, cache.v_cache,
                                                meta.decode_block_tables, meta.decode_seq_lens, num_q_heads, scale,
-                                               out, window or 0)
+                                               out, window or 0, k_scale=cache.k_scale, v_scale=cache.v_scale)
     return out

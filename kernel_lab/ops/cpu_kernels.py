@@ -15,8 +15,9 @@ AVX2 machine's build (no AVX-512, no VNNI), `scalar` the C fallback loops (no AV
 default) all this CPU has. An AVX-512 machine can so test and benchmark the paths an AVX2 one takes; such a
 run emulates the ISA choice on this machine, not an AVX2 machine's clocks, caches or memory.
 
-Each source is its own library: `paged_decode_attention.c` (single-threaded; float32, float16 or bfloat16 KV
-pages, `KV_FORMATS`; also the engine's one-call layer attention with RoPE and the KV write), `gguf_linear.c`
+Each source is its own library: `paged_decode_attention.c` (single-threaded; float32, float16, bfloat16,
+int8 or fp8 E4M3 KV pages, `KV_FORMATS`, int8 and fp8 with their page scales; also the engine's one-call
+layer attention with RoPE and the KV write), `gguf_linear.c`
 (quantized GGUF weights, its own small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
 projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
@@ -59,12 +60,13 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-t
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # The cache dtypes the paged attention kernel reads (q and out are float32), as its kv_format numbers
-# (kv_half.h's enum).
-KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# (kv_half.h's enum). int8 and fp8 pages come with float32 scales [num_blocks, num_kv_heads] (kv_int8.h).
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+_SCALED_FORMATS = (torch.int8, torch.float8_e4m3fn)
 
 _PAGED_DECODE_ARGTYPES = [
     _ptr, _i64, _i64,                    # q, q_stride_b, q_stride_h
-    _ptr, _ptr, _int,                    # k_cache, v_cache, kv_format
+    _ptr, _ptr, _int, _ptr, _ptr,        # k_cache, v_cache, kv_format, k_scale, v_scale (int8; else NULL)
     _i64, _i64, _i64,                    # cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # batch, num_q_heads, num_kv_heads, head_dim, block_size
@@ -74,7 +76,7 @@ _PAGED_DECODE_ARGTYPES = [
 
 _ROPE_WRITE_ATTENTION_ARGTYPES = [
     _ptr, _i64, _ptr, _ptr, _ptr,        # qkv, qkv_stride, cos_rows, sin_rows, slots
-    _ptr, _ptr, _int,                    # k_cache, v_cache, kv_format
+    _ptr, _ptr, _int, _ptr, _ptr,        # k_cache, v_cache, kv_format, k_scale, v_scale (int8; else NULL)
     _i64, _i64, _i64,                    # cache strides: block, token, head
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # tokens, num_q_heads, num_kv_heads, head_dim, block_size
@@ -195,6 +197,10 @@ _SIGNATURES = {
         "kl_paged_attention_isa": ([], ctypes.c_char_p),
         # kv_format, src, n, dst
         "kl_store_kv_row": ([_int, _ptr, _i64, _ptr], None),
+        # key, value, slots, tokens, k_cache, v_cache, k_scale, v_scale, strides (block, token, head),
+        # num_kv_heads, head_dim, block_size
+        "kl_write_kv_scaled": ([_int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int,
+                                _int], _int),
     },
     "gguf_linear": {
         # type, w, n, k, x, m, ldx, y, ldy, threads
@@ -259,13 +265,22 @@ def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, .
     return _load(name, tuple(extra_flags) or ISA_FLAGS[isa()])
 
 
+def _scale_pointers(k_cache, k_scale, v_scale):
+    """(k_scale, v_scale) pointers for the C calls: int8 and fp8 pages' dense float32 scales, else NULL."""
+    if k_cache.dtype not in _SCALED_FORMATS:
+        return None, None
+    return k_scale.data_ptr(), v_scale.data_ptr()
+
+
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                               out: torch.Tensor, window: int = 0, library: ctypes.CDLL | None = None) -> bool:
+                               out: torch.Tensor, window: int = 0, library: ctypes.CDLL | None = None,
+                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> bool:
     """Run the C kernel into `out` if it applies; False (nothing written) means: use the reference.
 
     Inputs are assumed validated (`paged_attention._validate` and the table value checks; the kernel reads
     whatever the tables point at): it applies to CPU float32 q and out, caches of one KV_FORMATS dtype, each
-    contiguous in its last dimension, K and V with the same strides, int32 tables and lengths. `window` > 0:
+    contiguous in its last dimension, K and V with the same strides, int32 tables and lengths; int8 and fp8
+    caches with their contiguous float32 `k_scale`, `v_scale` [num_blocks, num_kv_heads]. `window` > 0:
     sliding-window attention over each sequence's last `window` tokens (0: the whole sequence). `library`:
     a build to run instead of the default one (the tests' narrowed ISA builds).
     """
@@ -277,6 +292,10 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     if (k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride() or block_tables.dtype != torch.int32
             or seq_lens.dtype != torch.int32):
         return False
+    if k_cache.dtype in _SCALED_FORMATS and not all(s is not None and s.dtype == torch.float32
+                                                    and s.is_contiguous() and s.device.type == "cpu"
+                                                    for s in (k_scale, v_scale)):
+        return False
     lib = library or load_library()
     if lib is None:
         return False
@@ -287,7 +306,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     _, block_size, num_kv_heads, _ = k_cache.shape
     status = lib.kl_paged_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_scale_pointers(k_cache, k_scale, v_scale), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
         out.data_ptr(), out.stride(0), out.stride(1))
@@ -296,11 +315,14 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
 
 def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_cache, block_tables, seq_lens,
                                    num_q_heads: int, scale: float, out: torch.Tensor, window: int = 0,
-                                   library: ctypes.CDLL | None = None) -> None:
+                                   library: ctypes.CDLL | None = None, k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None) -> None:
     """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention):
-    RoPE on q and k, K and V into the cache at `slots` (rounded to nearest even into 16-bit pages),
-    attention into `out` [tokens, num_q_heads * head_dim], over each row's last `window` tokens when
-    `window` > 0. `library`: as paged_decode_attention_cpu's.
+    RoPE on q and k, K and V into the cache at `slots` (rounded to nearest even into 16-bit pages; into
+    int8 or fp8 pages under project 05's page-scale policy, one token after another, each row attending
+    after its own write), attention into `out` [tokens, num_q_heads * head_dim], over each row's last
+    `window` tokens when `window` > 0. `library`: as paged_decode_attention_cpu's; `k_scale`, `v_scale`: int8
+    and fp8 pages'.
 
     No checks: the caller holds what `models/attention.py` documents (float32 activations, a KV_FORMATS
     cache, qkv and out dense rows, cos/sin rows contiguous, tables and slots checked once for the step, the
@@ -313,12 +335,30 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     status = lib.kl_rope_write_paged_attention(
         qkv.data_ptr(), qkv.stride(0), cos_rows.data_ptr(), sin_rows.data_ptr(), slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype], *_scale_pointers(k_cache, k_scale, v_scale),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, out.data_ptr())
+    if status == -2:
+        raise ValueError(f"kl_rope_write_paged_attention: {k_cache.dtype} pages need their k_scale and v_scale")
     if status != 0:
         raise MemoryError("kl_rope_write_paged_attention could not allocate its scratch buffer")
+
+
+def write_kv_scaled_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                        library: ctypes.CDLL | None = None) -> None:
+    """float32 key/value [tokens, num_kv_heads, head_dim] into int8 or fp8 pages at `slot_mapping`, one token
+    after another (kl_write_kv_scaled: the fused call's write). Unchecked; the tests hold it to kv_cache's
+    reference."""
+    lib = library or load_library()
+    key, value, slots = key.float().contiguous(), value.float().contiguous(), slot_mapping.contiguous()
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = lib.kl_write_kv_scaled(KV_FORMATS[k_cache.dtype], key.data_ptr(), value.data_ptr(), slots.data_ptr(),
+                                    slots.numel(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
+                                    v_scale.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                    num_kv_heads, head_dim, block_size)
+    if status != 0:
+        raise ValueError(f"kl_write_kv_scaled: {k_cache.dtype} pages have no page scales (int8 or fp8 only)")
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:

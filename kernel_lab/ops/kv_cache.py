@@ -1,4 +1,4 @@
-"""Paged KV cache: allocation, `write_kv`, and the FP8 E4M3 page-scale policy (projects 04 and 05).
+"""Paged KV cache: allocation, `write_kv`, and the page-scale policy of FP8 E4M3 and int8 pages (projects 04, 05).
 
 Contract (shared with the engine)
 ---------------------------------
@@ -6,27 +6,35 @@ Contract (shared with the engine)
   head_dim in SUPPORTED_HEAD_DIMS {64, 96, 128, 256} on CUDA (the CUDA kernels' instantiations; 96 is
   Phi-3's), any head_dim on the CPU (the C kernel and the references are generic in it). The inner three
   dimensions are dense (strides `(H*D, D, 1)`); the block stride may be larger (e.g. views of one
-  `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16, fp32, or `torch.float8_e4m3fn`.
-- FP8 caches carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`, contiguous, one scale per page
-  and KV head. A stored element means `float(fp8) * scale`. A fresh cache has every scale at 0.0: the page
-  holds no data yet.
+  `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16, fp32, `torch.float8_e4m3fn`, or
+  `torch.int8` (CPU only: no CUDA kernel reads int8 pages).
+- FP8 and int8 caches (SCALED_DTYPES) carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`,
+  contiguous, one scale per page and KV head. A stored element means `float(fp8) * scale`, or for int8
+  `code * scale` with codes in [-127, 127] and -128 meaning NaN. A fresh cache has every scale at 0.0: the
+  page holds no data yet.
 - `write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`: key/value
   `[tokens, num_kv_heads, head_dim]` in the cache's dtype (any float dtype for fp8; float32 also into
   fp16/bf16 CPU pages, rounded to nearest even); `slot_mapping` int64 `[tokens]` = `block * block_size +
   offset`; a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
 
-FP8 write policy: every page scale `write_kv` writes is the smallest power of two >= amax / 448 (at least
-2**-126) over everything the page and head has received; a page whose scale grows is requantised once, and
-`|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9` holds in any write order. The policy step by step
-and why the bound holds: projects/05_fp8_kv/README.md.
+Write policy (both scaled formats): every page scale `write_kv` writes is the smallest power of two >= amax /
+CODE_MAX (448 for fp8, 127 for int8; at least 2**-126) over everything the page and head has received; a
+page whose scale grows is requantised once. In any write order, fp8 holds
+`|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9`; int8 holds `<= scale / 2` for elements quantised
+at the page's current scale and `< scale` for any element (each requantisation errs by at most half of its
+new scale, and scales at least double per growth: s/2 + s/4 + ... < s). The policy step by step and why the
+fp8 bound holds: projects/05_fp8_kv/README.md.
 Pages whose scale was set outside `write_kv` to a non-power-of-two keep working (the scale never shrinks),
 but the bound is only guaranteed for scales `write_kv` manages.
 Non-finite inputs (both paths alike, tested): NaN and +-inf take no part in a scale (amax is over the finite
-elements only, so one bad token cannot blow up or zero a page's scale); a NaN is stored as NaN and stays NaN
-through requantisation; +-inf saturates to +-448 * scale, like E4M3's SATFINITE conversion.
+elements only, so one bad token cannot blow up or zero a page's scale); a NaN is stored as NaN (int8: the
+code -128) and stays NaN through requantisation; +-inf saturates to +-448 * scale (int8: +-127 * scale), like
+E4M3's SATFINITE conversion.
 
 Dispatch: CPU tensors always take the PyTorch reference below (with validation); CUDA tensors run the
-CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract).
+CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract but
+int8). The engine's fused CPU decode call writes int8 and fp8 pages itself (csrc/cpu/kv_int8.h), one token after
+another: this reference called once per token, bit for bit.
 """
 
 from __future__ import annotations
@@ -37,17 +45,22 @@ from .common import FLOAT_DTYPES, check_same_device, check_tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8_MAX = 127.0
+INT8_NAN = -128  # the int8 code outside the symmetric range: a stored NaN
 MIN_FP8_SCALE = 2.0 ** -126  # smallest normal fp32: keeps `fp8 * scale` exact
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)  # the CUDA kernels' head_dim instantiations; the CPU paths take any
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE, torch.int8)
+# Page formats with a float32 scale per (page, KV head), and the largest magnitude of each one's codes.
+SCALED_DTYPES = (FP8_DTYPE, torch.int8)
+CODE_MAX = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
 
 
 # --------------------------------------------------------------------------------------------- allocation
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu"):
-    """A zeroed paged cache: returns (k_cache, v_cache, k_scale, v_scale); scales are None unless fp8,
-    where they are float32 zeros `[num_blocks, num_kv_heads]` (every page empty)."""
+    """A zeroed paged cache: returns (k_cache, v_cache, k_scale, v_scale); scales are None unless fp8 or
+    int8, where they are float32 zeros `[num_blocks, num_kv_heads]` (every page empty)."""
     if dtype not in CACHE_DTYPES:
         raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -58,7 +71,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.zeros(shape, dtype=dtype, device=device)
     v_cache = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype != FP8_DTYPE:
+    if dtype not in SCALED_DTYPES:
         return k_cache, v_cache, None, None
     k_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
     v_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
@@ -66,10 +79,9 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 
 def kv_cache_bytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V (plus the two float32 scale tables for fp8) of a paged cache."""
-    element = 1 if dtype == FP8_DTYPE else torch.finfo(dtype).bits // 8
-    data = 2 * num_blocks * block_size * num_kv_heads * head_dim * element
-    return data + (2 * num_blocks * num_kv_heads * 4 if dtype == FP8_DTYPE else 0)
+    """Bytes of K and V (plus the two float32 scale tables for fp8 and int8) of a paged cache."""
+    data = 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+    return data + (2 * num_blocks * num_kv_heads * 4 if dtype in SCALED_DTYPES else 0)
 
 
 def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -84,17 +96,17 @@ def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: t
     on the data: a page whose scale grows is rewritten once (its block_size * head_dim bytes per KV head
     read and written, its new scale stored), and a slot of -1 costs its 8 slot bytes only."""
     rows = 2 * tokens * num_kv_heads * head_dim
-    scales = 2 * pages * num_kv_heads * 4 if cache_dtype == FP8_DTYPE else 0
+    scales = 2 * pages * num_kv_heads * 4 if cache_dtype in SCALED_DTYPES else 0
     return rows * (dtype.itemsize + cache_dtype.itemsize) + 8 * tokens + scales
 
 
-# --------------------------------------------------------------------------------------------- fp8 helpers
-def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= amax / 448 (float32, at least MIN_FP8_SCALE); 0 where amax is 0.
+# --------------------------------------------------------------------------------------------- scaled pages
+def pow2_scale(amax: torch.Tensor, code_max: float = FP8_MAX) -> torch.Tensor:
+    """The smallest power of two >= amax / code_max (float32, at least MIN_FP8_SCALE); 0 where amax is 0.
 
-    Bit-identical to the CUDA kernel: `amax / 448` rounds once (IEEE division), then the mantissa is
-    rounded up to the next power of two."""
-    ratio = amax.float() / FP8_MAX
+    Bit-identical to the CUDA kernel (fp8) and csrc/cpu/kv_int8.h (int8, code_max 127): `amax / code_max`
+    rounds once (IEEE division), then the mantissa is rounded up to the next power of two."""
+    ratio = amax.float() / code_max
     mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
     scale = torch.ldexp(torch.ones_like(ratio), exponent).clamp_min(MIN_FP8_SCALE)
@@ -121,6 +133,33 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(clamp(x / scale, +-127)) to nearest even as int8; `scale` broadcasts against x; scale 0 stores 0.
+    NaN is stored as the code INT8_NAN (-128) and +-inf saturates to +-127."""
+    xf = x.float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xf / safe).clamp(-INT8_MAX, INT8_MAX).round()
+    q = torch.where(scale > 0, q, torch.zeros_like(q))
+    return torch.where(torch.isnan(xf), torch.full_like(q, INT8_NAN), q).to(torch.int8)
+
+
+def page_codes(q: torch.Tensor) -> torch.Tensor:
+    """The stored codes of fp8 or int8 pages as float32, before their scale (int8's -128 reads as NaN)."""
+    codes = q.float()
+    if q.dtype == torch.int8:
+        codes = codes.masked_fill_(q == INT8_NAN, float("nan"))
+    return codes
+
+
+def dequantize_pages(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 or int8 pages' values: code * scale (`scale` broadcasts against q)."""
+    return page_codes(q) * scale
+
+
+def quantize_pages(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return quantize_int8(x, scale) if dtype == torch.int8 else quantize_fp8(x, scale)
+
+
 # --------------------------------------------------------------------------------------------- validation
 def check_head_dim(name: str, head_dim: int, device: torch.device) -> None:
     """CUDA: one of the kernels' instantiations; CPU: any positive head_dim."""
@@ -134,6 +173,9 @@ def check_head_dim(name: str, head_dim: int, device: torch.device) -> None:
 def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int, int, int, int]:
     """Validate a paged K/V cache pair (and fp8 scales); returns (num_blocks, block_size, heads, head_dim)."""
     check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4)
+    if k_cache.dtype == torch.int8 and k_cache.is_cuda:
+        raise TypeError("k_cache: int8 pages have no CUDA kernel (the CPU kernels read them); use "
+                        "float8_e4m3fn pages on CUDA")
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, "
@@ -150,15 +192,15 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
         if cache.stride()[1:] != (heads * head_dim, head_dim, 1):
             raise ValueError(f"{name} must be dense in its last three dimensions (strides "
                              f"{(heads * head_dim, head_dim, 1)}), got strides {cache.stride()}")
-    is_fp8 = k_cache.dtype == FP8_DTYPE
+    scaled = k_cache.dtype in SCALED_DTYPES
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not is_fp8:
+        if not scaled:
             if s is not None:
-                raise ValueError(f"{name} is only used with a float8_e4m3fn cache; "
+                raise ValueError(f"{name} is only used with a float8_e4m3fn or int8 cache; "
                                  f"the cache is {k_cache.dtype}")
             continue
         if s is None:
-            raise ValueError(f"{name} is required with a float8_e4m3fn cache "
+            raise ValueError(f"{name} is required with a {k_cache.dtype} cache "
                              "(float32 [num_blocks, num_kv_heads])")
         check_tensor(name, s, dtypes=(torch.float32,), ndim=2)
         if tuple(s.shape) != (num_blocks, heads):
@@ -170,7 +212,7 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
 
 def _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     num_blocks, block_size, heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
-    input_dtypes = FLOAT_DTYPES if k_cache.dtype == FP8_DTYPE else (k_cache.dtype,)
+    input_dtypes = FLOAT_DTYPES if k_cache.dtype in SCALED_DTYPES else (k_cache.dtype,)
     if not k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16):
         input_dtypes = (torch.float32, k_cache.dtype)  # CPU float32 activations over 16-bit pages (rounded)
     check_tensor("key", key, dtypes=input_dtypes, ndim=3)
@@ -199,11 +241,12 @@ def check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: i
 
 
 # --------------------------------------------------------------------------------------------- reference
-def _write_fp8_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
-                         offsets: torch.Tensor) -> None:
-    """Apply the page-scale policy (module docstring) for one of K or V; tokens already filtered to valid."""
+def _write_scaled_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
+                            offsets: torch.Tensor) -> None:
+    """Apply the page-scale policy (module docstring) for one of K or V into fp8 or int8 pages; tokens already
+    filtered to valid."""
     heads = cache.shape[2]
-    token_scale = pow2_scale(finite_amax(x))                                    # [tokens, heads]
+    token_scale = pow2_scale(finite_amax(x), CODE_MAX[cache.dtype])             # [tokens, heads]
     new_scale = scale.clone()
     new_scale.scatter_reduce_(0, blocks[:, None].expand(-1, heads), token_scale, reduce="amax",
                               include_self=True)
@@ -212,13 +255,14 @@ def _write_fp8_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tens
     if grown_pages.numel():
         old = scale[grown_pages, grown_heads]                                   # [n]
         ratio = torch.where(old > 0, old / new_scale[grown_pages, grown_heads], torch.zeros_like(old))
-        stored = cache[grown_pages, :, grown_heads].float()                     # [n, block_size, head_dim]
+        stored = page_codes(cache[grown_pages, :, grown_heads])                 # [n, block_size, head_dim]
         # old == 0: the page held no data; zero-fill (stored bytes may be anything, even NaN patterns).
         requantised = torch.where(old[:, None, None] > 0, stored * ratio[:, None, None],
                                   torch.zeros_like(stored))
-        cache[grown_pages, :, grown_heads] = requantised.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        unit = torch.ones((), device=cache.device)                              # the codes, requantised
+        cache[grown_pages, :, grown_heads] = quantize_pages(requantised, unit, cache.dtype)
     scale.copy_(new_scale)
-    cache[blocks, offsets] = quantize_fp8(x, new_scale[blocks][:, :, None])
+    cache[blocks, offsets] = quantize_pages(x, new_scale[blocks][:, :, None], cache.dtype)
 
 
 def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -227,7 +271,7 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None,
     if bool((slot_mapping < 0).any()):  # padding rows (slot -1) write nothing; a mask only when there are some
         valid = slot_mapping >= 0
         slots, key, value = slot_mapping[valid], key[valid], value[valid]
-    if k_cache.dtype != FP8_DTYPE:
+    if k_cache.dtype not in SCALED_DTYPES:
         for cache, rows in ((k_cache, key), (v_cache, value)):
             try:  # [num_blocks * block_size, heads, dim]: one row copy per slot, the engine's CPU hot path
                 cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
@@ -235,8 +279,8 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None,
                 cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
         return
     blocks, offsets = slots // block_size, slots % block_size
-    _write_fp8_reference(key, k_cache, k_scale, blocks, offsets)
-    _write_fp8_reference(value, v_cache, v_scale, blocks, offsets)
+    _write_scaled_reference(key, k_cache, k_scale, blocks, offsets)
+    _write_scaled_reference(value, v_cache, v_scale, blocks, offsets)
 
 
 # --------------------------------------------------------------------------------------------- public op
@@ -245,7 +289,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              v_scale: torch.Tensor | None = None, *, validate: bool | None = None) -> None:
     """Store key/value `[tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping` (in place).
 
-    FP8 caches quantise on write with the page-scale policy of this module's docstring and update
+    FP8 and int8 caches quantise on write with the page-scale policy of this module's docstring and update
     `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA) checks slot values on the
     host, which synchronises, so never set it inside a CUDA graph; a caller that checked the slots once per
     step (the engine) passes False."""

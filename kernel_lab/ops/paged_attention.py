@@ -1,4 +1,4 @@
-"""Project 04/05: paged decode attention over a block-table KV cache (fp16/bf16/fp32, or FP8 E4M3 pages).
+"""Project 04/05: paged decode attention over a block-table KV cache (fp16/bf16/fp32, FP8 E4M3 or int8 pages).
 
     out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b,   K_b/V_b = the first seq_lens[b] tokens of sequence b
 
@@ -8,9 +8,9 @@ Contract
   of a fused QKV output works). num_q_heads is a multiple of num_kv_heads (MHA, GQA, MQA): query head h
   reads KV head `h // (num_q_heads // num_kv_heads)`.
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]` (see `kv_cache.py`), the same
-  dtype as q, float16 or bfloat16 pages under a float32 q on CPU, or `torch.float8_e4m3fn` with float32
-  `k_scale`/`v_scale` `[num_blocks, num_kv_heads]`
-  (stored value = `float(fp8) * scale`).
+  dtype as q, float16 or bfloat16 pages under a float32 q on CPU, or `torch.float8_e4m3fn` (or, on CPU
+  only, `torch.int8`) with float32 `k_scale`/`v_scale` `[num_blocks, num_kv_heads]`
+  (stored value = `float(fp8) * scale`, or `code * scale` for int8, the code -128 meaning NaN; kv_cache.py).
 - `block_tables`: int32 `[batch, max_blocks_per_seq]`; token t of sequence b is at block
   `block_tables[b, t // block_size]`, offset `t % block_size`. Blocks may be anywhere, in any order, and
   shared. Entries past a sequence's last block are never read (padding such as -1 is fine).
@@ -27,10 +27,10 @@ Contract
   during CUDA graph capture. A caller that checked the tables once per step (the engine, before its
   layers) passes False.
 
-Dispatch: CPU float32 q with float32, float16 or bfloat16 caches run the plain-C kernel
+Dispatch: CPU float32 q with float32, float16, bfloat16, int8 or fp8 caches run the plain-C kernel
 `kernel_lab/csrc/cpu/paged_decode_attention.c` (built on first use by `cpu_kernels.py`; it reads each page in
-place, once, with an online softmax, widening 16-bit pages in registers, and trusts the table values, so
-`validate=False` is for tables already checked). Other CPU inputs (fp16 or bf16 q, an fp8 cache), or any
+place, once, with an online softmax, widening narrow pages in registers, and trusts the table values, so
+`validate=False` is for tables already checked). Other CPU inputs (fp16 or bf16 q), or any
 without a C compiler or with `KERNEL_LAB_CPU_KERNELS=0`, run
 `paged_decode_attention_reference` (materialising, float32 softmax). CUDA tensors run the CUDA C++ kernel
 in `kernel_lab/csrc/paged_attention.cu`, which takes fp16/bf16 q with a cache of the same dtype or FP8 E4M3;
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import FLOAT_DTYPES, HALF_DTYPES, check_out, check_same_device, check_tensor
-from .kv_cache import FP8_DTYPE, check_cache_pair
+from .kv_cache import FP8_DTYPE, SCALED_DTYPES, check_cache_pair, page_codes
 
 # Kernel geometry, shared by the CUDA code (csrc/paged_attention.cu) and the CPU model; a compile test
 # checks the two agree.
@@ -89,11 +89,12 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     page_ids = torch.arange(num_pages, device=q.device)[None, :]
     used = (page_ids < (lens[:, None] + block_size - 1) // block_size) & (page_ids >= first[:, None] // block_size)
     pages = torch.where(used, block_tables[:, :num_pages].long(), 0).flatten()                 # [B * P]
-    k = k_cache.index_select(0, pages).float()                                    # [B * P, bs, Hkv, D], a copy
-    v = v_cache.index_select(0, pages).float()
-    if k_cache.dtype == FP8_DTYPE:
-        k.mul_(k_scale[pages][:, None, :, None])
-        v.mul_(v_scale[pages][:, None, :, None])
+    k = k_cache.index_select(0, pages)                                            # [B * P, bs, Hkv, D], a copy
+    v = v_cache.index_select(0, pages)
+    if k_cache.dtype in SCALED_DTYPES:
+        k = page_codes(k).mul_(k_scale[pages][:, None, :, None])
+        v = page_codes(v).mul_(v_scale[pages][:, None, :, None])
+    k, v = k.float(), v.float()
     positions = torch.arange(tokens, device=q.device)[None, :]
     valid = (positions < lens[:, None]) & (positions >= first[:, None])                        # [B, T]
     # Slots past a sequence's length (or before its window) hold anything (stale, never written, even NaN).
@@ -176,7 +177,7 @@ def bytes_moved(seq_lens, num_q_heads: int, num_kv_heads: int, head_dim: int, bl
     quoted against this count."""
     cache_dtype = cache_dtype or dtype
     row_bytes = num_kv_heads * head_dim * cache_dtype.itemsize
-    page_bytes = 4 + (2 * num_kv_heads * 4 if cache_dtype == FP8_DTYPE else 0)
+    page_bytes = 4 + (2 * num_kv_heads * 4 if cache_dtype in SCALED_DTYPES else 0)
     lens = [int(n) for n in seq_lens]
     total = 2 * len(lens) * num_q_heads * head_dim * dtype.itemsize + 4 * len(lens)
     for length in lens:
@@ -276,9 +277,9 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_sca
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     num_blocks, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache, k_scale, v_scale)
     half_pages = not q.is_cuda and q.dtype == torch.float32 and k_cache.dtype in HALF_DTYPES
-    if k_cache.dtype != FP8_DTYPE and k_cache.dtype != q.dtype and not half_pages:
-        raise TypeError(f"k_cache must have q's dtype ({q.dtype}), float8_e4m3fn, or on CPU under a float32 q "
-                        f"float16 or bfloat16, got {k_cache.dtype}")
+    if k_cache.dtype not in SCALED_DTYPES and k_cache.dtype != q.dtype and not half_pages:
+        raise TypeError(f"k_cache must have q's dtype ({q.dtype}), float8_e4m3fn, int8 (CPU), or on CPU under a "
+                        f"float32 q float16 or bfloat16, got {k_cache.dtype}")
     batch, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q head_dim (dim 2) must match the cache's head_dim {head_dim}, "
@@ -364,12 +365,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         check_table_values(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not q.is_cuda:
-        if q.dtype == torch.float32 and k_cache.dtype != FP8_DTYPE:
+        if q.dtype == torch.float32:
             from .cpu_kernels import paged_decode_attention_cpu
 
             result = out if out is not None else torch.empty(q.shape, dtype=q.dtype)
             if paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, result,
-                                          sliding_window or 0):
+                                          sliding_window or 0, k_scale=k_scale, v_scale=v_scale):
                 return result
         result = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                   k_scale, v_scale, sliding_window)

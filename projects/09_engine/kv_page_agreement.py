@@ -1,9 +1,9 @@
-"""Greedy agreement and first-token log-probabilities of 16-bit KV pages against float32 pages, on CPU.
+"""Greedy agreement and first-token log-probabilities of narrow KV pages against float32 pages, on CPU.
 
     python projects/09_engine/kv_page_agreement.py [--max-tokens 64] [--threads N] [--out results]
 
 16 chat prompts (the engine's chat template) run greedily for --max-tokens tokens, EOS ignored, all in one
-batch, on the bundled SmolLM2-135M-Instruct once per page format (float32, float16, bfloat16) and weight
+batch, on the bundled SmolLM2-135M-Instruct once per page format (float32, float16, bfloat16, int8, fp8) and weight
 path: float32 weights (the pages' own effect) and the default quantized GGUF weights, whose int8
 activations turn any small change of their input into a different rounding and so amplify it (as they do
 for the SDPA-vs-kernel difference, engine/model_runner.py). Engines differ in kv_cache_dtype only. A
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from kernel_lab.bench.kv_page_agreement import CHAT_PROMPTS, compare, greedy_run  # noqa: E402
 
-FORMATS = ("float16", "bfloat16")
+FORMATS = ("float16", "bfloat16", "int8", "fp8")
 WEIGHTS = ("float32", "auto")
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     library = cpu_kernels.load_library()
     isa = library.kl_paged_attention_isa().decode() if library is not None else "none (PyTorch reference)"
-    record = ResultRecord("09_engine", "Greedy agreement of 16-bit KV pages with float32 pages", "cpu",
+    record = ResultRecord("09_engine", "Greedy agreement of narrow KV pages with float32 pages", "cpu",
                           ceilings_record={},
                           description=f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens (EOS "
                                       "ignored, one batch) on the bundled SmolLM2-135M-Instruct, float32 "

@@ -355,12 +355,12 @@ def test_bad_models_raise_clear_errors(tmp_path, model_dir):
 
 
 # ------------------------------------------------------------------------------------------------ fp8 KV
-def test_fp8_kv_cache_is_refused_on_cpu():
-    """fp8 pages have no CPU attention kernel (only the PyTorch reference reads them there), so a CPU engine
-    refuses them by name (issue 35); the fp8 engine path is tested on CUDA (test_gpu.py), and 16-bit CPU
-    pages in test_kv_cache_dtype.py."""
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' has no CPU attention kernel"):
-        LLMEngine(None, **{**ENGINE_KWARGS, "kv_cache_dtype": "fp8"})
+def test_fp8_kv_cache_on_cpu_takes_float32_activations_only():
+    """fp8 pages on CPU are read by the C kernel under float32 activations (test_kv_cache_dtype.py runs an
+    engine on them, projects/04's test_cpu_int8_pages.py holds the format); other activations are refused
+    by name. The fp8 engine path on CUDA is tested in test_gpu.py."""
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' under dtype torch.bfloat16"):
+        LLMEngine(None, **{**ENGINE_KWARGS, "dtype": "bfloat16", "kv_cache_dtype": "fp8"})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 257])

@@ -1,5 +1,5 @@
 """`kv_cache_dtype` (`--kv-cache-dtype`): which page formats each device takes, refusals by name, what the
-pool holds in its memory, and that a CPU engine really runs the C kernel on 16-bit pages."""
+pool holds in its memory, and that a CPU engine really runs the C kernel on 16-bit, int8 and fp8 pages."""
 
 from __future__ import annotations
 
@@ -20,15 +20,18 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 @pytest.mark.parametrize("name, dtype", [("auto", torch.float32), ("float32", torch.float32),
-                                         ("float16", torch.float16), ("bfloat16", torch.bfloat16)])
-def test_cpu_takes_float32_and_16_bit_pages(name, dtype):
+                                         ("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                                         ("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
+                                         ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_cpu_takes_float32_16_bit_int8_and_fp8_pages(name, dtype):
     assert EngineConfig(TINY, device="cpu", kv_cache_dtype=name).kv_cache_dtype == dtype
 
 
 @pytest.mark.parametrize("name, device, activations, pattern", [
-    ("fp8", CPU, torch.float32, "kv_cache_dtype 'fp8' has no CPU attention kernel"),
-    ("fp8_e4m3", CPU, torch.float32, "kv_cache_dtype 'fp8_e4m3' has no CPU attention kernel"),
+    ("fp8", CPU, torch.bfloat16, "under float32 activations only"),
     ("float16", CPU, torch.bfloat16, "under float32 activations only"),
+    ("int8", CPU, torch.bfloat16, "under float32 activations only"),
+    ("int8", CUDA, torch.float16, "kv_cache_dtype 'int8' has no CUDA attention kernel"),
     ("float32", CUDA, torch.float16, "the CUDA kernel reads pages of the activation dtype or fp8"),
     ("bfloat16", CUDA, torch.float16, "the CUDA kernel reads pages of the activation dtype or fp8"),
 ])
@@ -43,35 +46,41 @@ def test_cuda_takes_its_activation_dtype_and_fp8():
     assert resolve_kv_cache_dtype("auto", CUDA, torch.float16) == torch.float16
 
 
-@pytest.mark.parametrize("name, pattern", [("int8", "'int8' has no attention kernel yet"),
-                                           ("int4", "kv_cache_dtype must be 'auto' or one of")])
-def test_unbuilt_and_unknown_formats_are_refused_by_name(name, pattern):
+@pytest.mark.parametrize("name, pattern", [("int4", "kv_cache_dtype must be 'auto' or one of")])
+def test_unknown_formats_are_refused_by_name(name, pattern):
     with pytest.raises(ValueError, match=pattern):
         EngineConfig(TINY, device="cpu", kv_cache_dtype=name)
 
 
-def test_16_bit_pages_hold_twice_the_tokens_in_the_same_memory(monkeypatch):
+def test_narrow_pages_hold_two_and_four_times_the_tokens_in_the_same_memory(monkeypatch):
     """The CPU pool's default size comes from a byte budget: the same budget holds twice the blocks (so twice
-    the tokens) in float16 or bfloat16 pages."""
+    the tokens) in float16 or bfloat16 pages, and four times in int8 or fp8 pages less their scales: a float32 K and
+    V scale per page and KV head, 8 bytes against 2 * block_size * head_dim code bytes (1.6% at this head_dim
+    16, 0.4% at the bundled model's 64)."""
     monkeypatch.setenv("KERNEL_LAB_CPU_KV_CACHE_GB", str(1 / 64))
     blocks = {}
-    for name in ("float32", "float16", "bfloat16"):
+    for name in ("float32", "float16", "bfloat16", "int8", "fp8"):
         config = EngineConfig(TINY, device="cpu", kv_cache_dtype=name, max_model_len=4096, max_num_seqs=64)
         blocks[name] = default_num_kv_blocks(config, None)
         assert blocks[name] * config.kv_bytes_per_block() <= (1 << 30) / 64
     assert blocks["float32"] < 64 * 256  # the budget binds, not the sequences' need
     assert blocks["float16"] == blocks["bfloat16"] == 2 * blocks["float32"], blocks
+    # per block: 2 layers x 2 KV heads x (K and V codes, 16 tokens x 16 bytes each, + 2 float32 scales)
+    assert blocks["int8"] == (1 << 30) // 64 // (2 * 2 * (2 * 16 * 16 + 2 * 4)), blocks
+    assert 3.9 * blocks["float32"] < blocks["int8"] < 4 * blocks["float32"], blocks
+    assert blocks["fp8"] == blocks["int8"], blocks
 
 
-@pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_a_cpu_engine_runs_the_c_kernel_on_16_bit_pages(name, monkeypatch):
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "int8", "fp8"])
+def test_a_cpu_engine_runs_the_c_kernel_on_narrow_pages(name, monkeypatch):
     """Every row goes through the fused C call on pages of the asked format (the fast path is not silently
     dropped), and the pages hold the tokens' K/V afterwards."""
     if cpu_kernels.load_library() is None or cpu_kernels.load_library("norm_activation") is None:
         pytest.skip("the CPU kernels did not build here")
     engine = LLMEngine(TINY, device="cpu", kv_cache_dtype=name, max_model_len=256, max_num_seqs=4,
                        num_kv_blocks=32)
-    assert engine.runner.k_cache.dtype == getattr(torch, name) and engine.runner.prompt_tokens_decode
+    dtype = torch.float8_e4m3fn if name == "fp8" else getattr(torch, name)
+    assert engine.runner.k_cache.dtype == dtype and engine.runner.prompt_tokens_decode
     calls = []
     fused = cpu_kernels.rope_write_paged_attention_cpu
     monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu",
@@ -79,14 +88,14 @@ def test_a_cpu_engine_runs_the_c_kernel_on_16_bit_pages(name, monkeypatch):
     engine.add_request("0", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert calls and set(calls) == {getattr(torch, name)}
+    assert calls and set(calls) == {dtype}
 
 
 # ------------------------------------------------------------------------------------------- bundled model
 # What 16-bit pages may move on the bundled SmolLM2-135M (float32 weights, so the pages' own effect: the
 # quantized path's int8 activations amplify any ulp-level change, see kv_page_agreement.py's control):
 # the first token's log-probabilities of float32's top 5, at most (about 4x this machine's measurement,
-# results/09_engine/greedy-agreement-of-16-bit-kv-pages-with-float32-pages-*.json, and in the ratio of the
+# results/09_engine/greedy-agreement-of-narrow-kv-pages-with-float32-pages-*.json, and in the ratio of the
 # formats' unit roundoffs, 8), and for float16 issue 35's bar of 14/16 identical greedy sequences.
 FIRST_TOKEN_LOGPROB_SHIFT = {"float16": 0.02, "bfloat16": 0.15}
 

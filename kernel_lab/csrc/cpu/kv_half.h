@@ -1,15 +1,20 @@
-/* 16-bit KV pages (IEEE fp16 and bfloat16) for paged_decode_attention.c: the conversions, and the dot
- * product and V accumulation of TOKENS-token groups read straight from 16-bit rows.
+/* Narrow KV pages for paged_decode_attention.c: 16-bit (IEEE fp16 and bfloat16), int8 and fp8 E4M3 codes
+ * (kv_int8.h holds the page scales and write policy of the two scaled formats). The conversions, and the dot product and V accumulation of
+ * TOKENS-token groups read straight from narrow rows.
  *
  * Reads widen in registers (AVX-512F: _mm512_cvtph_ps, 16 lanes; AVX2 with F16C and FMA: _mm256_cvtph_ps,
- * 8 lanes; bfloat16 is the top half of a float32, so it widens by a 16-bit shift) and accumulate in
- * float32. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
+ * 8 lanes; bfloat16 is the top half of a float32, so it widens by a 16-bit shift; int8 sign-extends and
+ * converts, its code -128 reading as NaN; an E4M3 byte moved into an fp16's bit positions is its value
+ * times 2^-8, widened as fp16 and scaled back exactly, NaN patched) and accumulate in float32. A scaled row
+ * (int8, fp8) is read as its codes: the page scale is applied by the caller, once per score and per
+ * probability. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
  * `kv_half_isa()` names the widest path the build took, so the tests can check each narrowed build really
  * ran its own. Writes round to nearest even, as torch's `.to(float16 / bfloat16)` does, bit for bit
  * (subnormals kept, overflow to infinity, NaN stays NaN). */
 #ifndef KL_KV_HALF_H
 #define KL_KV_HALF_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -17,7 +22,17 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_F8 = 4 };
+
+/* The int8 code outside the symmetric range [-127, 127]: a NaN stored into an int8 page. */
+#define KV_I8_NAN (-128)
+
+static inline int64_t kv_element_bytes(int format) {
+    return format == KV_F32 ? 4 : format == KV_I8 || format == KV_F8 ? 1 : 2;
+}
+
+/* int8 and fp8 pages hold codes with one float32 scale per page and KV head. */
+static inline int kv_scaled(int format) { return format == KV_I8 || format == KV_F8; }
 
 static inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -64,8 +79,45 @@ static inline uint16_t float_to_f16(float f) {
     return (uint16_t)(sign | (magnitude + 0xc8000fffu + (magnitude >> 13 & 1)) >> 13);
 }
 
+/* An E4M3 (fn: no infinities, S.1111.111 is NaN) byte: its exponent and mantissa fields sit in an fp16's
+ * at a bias 8 lower, so the fp16 of those bits is the value times 2^-8, subnormals included. */
+static inline uint16_t e4m3_as_f16(uint8_t b) { return (uint16_t)((b & 0x80) << 8 | (b & 0x7f) << 7); }
+
+static inline float e4m3_to_float(uint8_t b) {
+    return (b & 0x7f) == 0x7f ? NAN : f16_to_float(e4m3_as_f16(b)) * 256.0f;
+}
+
+/* Round to nearest even into E4M3 as torch's `.to(torch.float8_e4m3fn)` does, bit for bit (c10's
+ * fp8e4m3fn_from_fp32_value): magnitudes from 480 up and NaN become NaN with the input's sign (the page
+ * write clamps to +-448 first), below 2^-6 a count of 2^-9 steps. */
+static inline uint8_t float_to_e4m3(float f) {
+    uint32_t u = float_bits(f);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t result;
+    if (u >= 0x43f00000u) { /* >= 480, inf, NaN */
+        result = 0x7f;
+    } else if (u < (121u << 23)) { /* below 2^-6: adding 2^14 (ulp 2^-9) makes the FPU round to the grid */
+        result = (uint8_t)(float_bits(bits_float(u) + bits_float(141u << 23)) - (141u << 23));
+    } else {
+        const uint32_t odd = (u >> 20) & 1;
+        result = (uint8_t)((u - (120u << 23) + 0x7ffff + odd) >> 20); /* rebias 127 -> 7 */
+    }
+    return (uint8_t)(result | sign >> 24);
+}
+
 static inline float half_to_float(int format, uint16_t h) {
     return format == KV_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+
+/* Element d of a narrow row (an int8 or fp8 row gives its code, unscaled). */
+static inline float kv_to_float(int format, const void *row, int d) {
+    if (format == KV_I8) {
+        const int8_t c = ((const int8_t *)row)[d];
+        return c == KV_I8_NAN ? NAN : (float)c;
+    }
+    if (format == KV_F8) return e4m3_to_float(((const uint8_t *)row)[d]);
+    return half_to_float(format, ((const uint16_t *)row)[d]);
 }
 
 /* A row of n floats stored as 16-bit values. */
@@ -89,8 +141,22 @@ static inline void vec_store(float *p, kv_vec v) { _mm512_storeu_ps(p, v); }
 static inline kv_vec vec_set1(float x) { return _mm512_set1_ps(x); }
 static inline kv_vec vec_fmadd(kv_vec a, kv_vec b, kv_vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vec_sum(kv_vec v) { return _mm512_reduce_add_ps(v); }
-static inline kv_vec vec_load_half(int format, const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+static inline kv_vec vec_load_kv(int format, const void *row, int d) {
+    if (format == KV_I8) {
+        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + d)));
+        const __mmask16 nan = _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(KV_I8_NAN));
+        return _mm512_mask_blend_ps(nan, _mm512_cvtepi32_ps(c), _mm512_set1_ps(NAN));
+    }
+    if (format == KV_F8) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + d)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+        /* S.1111.111 (NaN) became 1.875 in fp16: raising its exponent field to 31 makes it an fp16 NaN */
+        const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+        h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
     if (format == KV_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -109,8 +175,21 @@ static inline float vec_sum(kv_vec v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static inline kv_vec vec_load_half(int format, const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+static inline kv_vec vec_load_kv(int format, const void *row, int d) {
+    if (format == KV_I8) {
+        const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + d)));
+        const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(c, _mm256_set1_epi32(KV_I8_NAN)));
+        return _mm256_blendv_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(NAN), nan);
+    }
+    if (format == KV_F8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)row + d)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+        const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+        h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    }
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
     if (format == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -119,8 +198,8 @@ static inline const char *kv_half_isa(void) { return "avx2"; }
 static inline const char *kv_half_isa(void) { return "scalar"; }
 #endif
 
-/* Scores of four 16-bit K rows against one (float32) query row. */
-static inline void dot_tokens_half(int format, const float *restrict qh, const uint16_t *const k[4], int head_dim,
+/* Scores of four narrow K rows against one (float32) query row. */
+static inline void dot_tokens_half(int format, const float *restrict qh, const void *const k[4], int head_dim,
                                    float *restrict s) {
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
     int d = 0;
@@ -128,37 +207,37 @@ static inline void dot_tokens_half(int format, const float *restrict qh, const u
     kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
         const kv_vec q = vec_load(qh + d);
-        a0 = vec_fmadd(q, vec_load_half(format, k[0] + d), a0);
-        a1 = vec_fmadd(q, vec_load_half(format, k[1] + d), a1);
-        a2 = vec_fmadd(q, vec_load_half(format, k[2] + d), a2);
-        a3 = vec_fmadd(q, vec_load_half(format, k[3] + d), a3);
+        a0 = vec_fmadd(q, vec_load_kv(format, k[0], d), a0);
+        a1 = vec_fmadd(q, vec_load_kv(format, k[1], d), a1);
+        a2 = vec_fmadd(q, vec_load_kv(format, k[2], d), a2);
+        a3 = vec_fmadd(q, vec_load_kv(format, k[3], d), a3);
     }
     s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
 #endif
     for (; d < head_dim; ++d) {
         const float qd = qh[d];
-        s0 += qd * half_to_float(format, k[0][d]);
-        s1 += qd * half_to_float(format, k[1][d]);
-        s2 += qd * half_to_float(format, k[2][d]);
-        s3 += qd * half_to_float(format, k[3][d]);
+        s0 += qd * kv_to_float(format, k[0], d);
+        s1 += qd * kv_to_float(format, k[1], d);
+        s2 += qd * kv_to_float(format, k[2], d);
+        s3 += qd * kv_to_float(format, k[3], d);
     }
     s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
 }
 
-static inline float dot_half(int format, const float *restrict qh, const uint16_t *restrict k, int head_dim) {
+static inline float dot_half(int format, const float *restrict qh, const void *restrict k, int head_dim) {
     float s = 0.0f;
     int d = 0;
 #ifdef KV_LANES
     kv_vec a = vec_zero();
-    for (; d + KV_LANES <= head_dim; d += KV_LANES) a = vec_fmadd(vec_load(qh + d), vec_load_half(format, k + d), a);
+    for (; d + KV_LANES <= head_dim; d += KV_LANES) a = vec_fmadd(vec_load(qh + d), vec_load_kv(format, k, d), a);
     s = vec_sum(a);
 #endif
-    for (; d < head_dim; ++d) s += qh[d] * half_to_float(format, k[d]);
+    for (; d < head_dim; ++d) s += qh[d] * kv_to_float(format, k, d);
     return s;
 }
 
-/* acc += sum_i p[i] * v[i] over `count` (1 or 4) 16-bit V rows. */
-static inline void accumulate_half(int format, float *restrict acc, const float *p, const uint16_t *const *v,
+/* acc += sum_i p[i] * v[i] over `count` (1 or 4) narrow V rows. */
+static inline void accumulate_half(int format, float *restrict acc, const float *p, const void *const *v,
                                    int count, int head_dim) {
     int d = 0;
 #ifdef KV_LANES
@@ -166,21 +245,21 @@ static inline void accumulate_half(int format, float *restrict acc, const float 
         const kv_vec p0 = vec_set1(p[0]), p1 = vec_set1(p[1]), p2 = vec_set1(p[2]), p3 = vec_set1(p[3]);
         for (; d + KV_LANES <= head_dim; d += KV_LANES) {
             kv_vec a = vec_load(acc + d);
-            a = vec_fmadd(p0, vec_load_half(format, v[0] + d), a);
-            a = vec_fmadd(p1, vec_load_half(format, v[1] + d), a);
-            a = vec_fmadd(p2, vec_load_half(format, v[2] + d), a);
-            a = vec_fmadd(p3, vec_load_half(format, v[3] + d), a);
+            a = vec_fmadd(p0, vec_load_kv(format, v[0], d), a);
+            a = vec_fmadd(p1, vec_load_kv(format, v[1], d), a);
+            a = vec_fmadd(p2, vec_load_kv(format, v[2], d), a);
+            a = vec_fmadd(p3, vec_load_kv(format, v[3], d), a);
             vec_store(acc + d, a);
         }
     } else {
         const kv_vec p0 = vec_set1(p[0]);
         for (; d + KV_LANES <= head_dim; d += KV_LANES)
-            vec_store(acc + d, vec_fmadd(p0, vec_load_half(format, v[0] + d), vec_load(acc + d)));
+            vec_store(acc + d, vec_fmadd(p0, vec_load_kv(format, v[0], d), vec_load(acc + d)));
     }
 #endif
     for (; d < head_dim; ++d) {
         float a = acc[d];
-        for (int i = 0; i < count; ++i) a += p[i] * half_to_float(format, v[i][d]);
+        for (int i = 0; i < count; ++i) a += p[i] * kv_to_float(format, v[i], d);
         acc[d] = a;
     }
 }

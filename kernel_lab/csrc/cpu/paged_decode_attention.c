@@ -1,6 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
- * block-table KV cache of float32, float16 or bfloat16 pages (`kv_format`, kv_half.h: 16-bit rows widen in
- * registers, every sum is float32).
+ * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
+ * rows widen in registers, every sum is float32; int8 and fp8 pages carry one float32 scale per page and KV
+ * head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -26,6 +27,7 @@
 
 #include "exp_nonpositive.h"
 #include "kv_half.h"
+#include "kv_int8.h"
 
 /* Tokens whose scores (and V contributions) are computed together: four dot products in one loop give the
  * FMA units four independent chains instead of one latency-bound chain, and an accumulator row is loaded
@@ -93,14 +95,14 @@ static inline int window_start(int len, int window) { return window > 0 && len >
  * head_dim. Cache strides arrive in elements and are turned into bytes here, once. */
 static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_t q_stride_h,
                                       const void *k_cache, const void *v_cache, int format,
-                                      int64_t cache_stride_block, int64_t cache_stride_token,
+                                      const float *k_scale, const float *v_scale, int64_t cache_stride_block, int64_t cache_stride_token,
                                       int64_t cache_stride_head,
                                       const int32_t *block_tables, int64_t table_stride,
                                       const int32_t *seq_lens, int batch, int num_q_heads, int num_kv_heads,
                                       int head_dim, int block_size, float scale, int window, float *out,
                                       int64_t out_stride_b, int64_t out_stride_h) {
     const int group = num_q_heads / num_kv_heads;
-    const int64_t element = format == KV_F32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    const int64_t element = kv_element_bytes(format);
     cache_stride_block *= element, cache_stride_token *= element, cache_stride_head *= element;
     const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int64_t score_row = ((int64_t)block_size + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
@@ -149,6 +151,9 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
             const char *k_page = (const char *)k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
             const char *v_page = (const char *)v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
+            /* int8, fp8: this page's scales, one per KV head (unused, and never read, for the other formats). */
+            const float *k_page_scale = kv_scaled(format) ? k_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
+            const float *v_page_scale = kv_scaled(format) ? v_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
             /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
              * entries past a sequence's last page may be padding, so only used entries are looked up. */
             int64_t next = -1;
@@ -171,18 +176,23 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
                     /* Typed pointer arrays for each format: one array read through both would alias. */
                     const float *k[TOKENS];
-                    const uint16_t *k16[TOKENS];
+                    const void *k16[TOKENS];
                     for (int i = 0; i < TOKENS; ++i) {
                         const char *at = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
                         k[i] = (const float *)at;
-                        k16[i] = (const uint16_t *)at;
+                        k16[i] = at;
                     }
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                         prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
-                        if (format == KV_F32)
-                            dot_tokens(qs + h * row, k, head_dim, scores + h * score_row + t);
-                        else
-                            dot_tokens_half(format, qs + h * row, k16, head_dim, scores + h * score_row + t);
+                        float *s = scores + h * score_row + t;
+                        if (format == KV_F32) {
+                            dot_tokens(qs + h * row, k, head_dim, s);
+                        } else {
+                            dot_tokens_half(format, qs + h * row, k16, head_dim, s);
+                            /* A power-of-two scale: the same bits as the dot product of the scaled codes. */
+                            if (kv_scaled(format))
+                                for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[kvh];
+                        }
                     }
                 }
             }
@@ -192,8 +202,9 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                     const char *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h)
                         scores[h * score_row + t] =
-                            format == KV_F32 ? dot(qs + h * row, (const float *)k, head_dim)
-                                             : dot_half(format, qs + h * row, (const uint16_t *)k, head_dim);
+                            format == KV_F32   ? dot(qs + h * row, (const float *)k, head_dim)
+                            : kv_scaled(format) ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
+                                               : dot_half(format, qs + h * row, k, head_dim);
                 }
             }
 
@@ -236,12 +247,18 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             for (; t + TOKENS <= tokens; t += TOKENS) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
                     const char *row0 = v_page + t * cache_stride_token + kvh * cache_stride_head;
-                    const uint16_t *v16[TOKENS];
-                    for (int i = 0; i < TOKENS; ++i) v16[i] = (const uint16_t *)(row0 + i * cache_stride_token);
+                    const void *v16[TOKENS];
+                    for (int i = 0; i < TOKENS; ++i) v16[i] = row0 + i * cache_stride_token;
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                         prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
+                        if (kv_scaled(format)) { /* the V scale goes on the probabilities (exact: a power of two) */
+                            const float vs = v_page_scale[kvh], pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs,
+                                                                              p[3] * vs};
+                            accumulate_half(format, a, pv, v16, TOKENS, head_dim);
+                            continue;
+                        }
                         if (format != KV_F32) {
                             accumulate_half(format, a, p, v16, TOKENS, head_dim);
                             continue;
@@ -260,12 +277,13 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             for (; t < tokens; ++t) {
                 for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
                     const char *v = v_page + t * cache_stride_token + kvh * cache_stride_head;
-                    const uint16_t *v16[1] = {(const uint16_t *)v};
+                    const void *v16[1] = {v};
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
                         if (format != KV_F32) {
-                            accumulate_half(format, a, p, v16, 1, head_dim);
+                            const float pv = kv_scaled(format) ? p[0] * v_page_scale[kvh] : p[0];
+                            accumulate_half(format, a, &pv, v16, 1, head_dim);
                             continue;
                         }
                         const float *vf = (const float *)v;
@@ -289,17 +307,21 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
 }
 
 /* Strides are in elements (of the cache's format for the caches); the last dimension of q, the caches and
- * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16 or KV_BF16 (kv_half.h).
+ * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16, KV_BF16, KV_I8 or KV_F8
+ * (kv_half.h); `k_scale`, `v_scale`: int8 and fp8 only (NULL otherwise), float32 [num_blocks, num_kv_heads],
+ * dense.
  * `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, -1 when the
  * scratch buffer cannot be allocated (then nothing is written), or -2 for an unknown kv_format. */
 int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stride_h, const void *k_cache,
-                              const void *v_cache, int kv_format, int64_t cache_stride_block,
+                              const void *v_cache, int kv_format, const float *k_scale, const float *v_scale,
+                              int64_t cache_stride_block,
                               int64_t cache_stride_token, int64_t cache_stride_head, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *seq_lens, int batch, int num_q_heads,
                               int num_kv_heads, int head_dim, int block_size, float scale, int window, float *out,
                               int64_t out_stride_b, int64_t out_stride_h) {
 #define CALL(F, D)                                                                                            \
-    paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, F, cache_stride_block, cache_stride_token,      \
+    paged_decode(q, q_stride_b, q_stride_h, k_cache, v_cache, F, k_scale, v_scale, cache_stride_block,         \
+                 cache_stride_token,                                                                          \
                  cache_stride_head, block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, D, \
                  block_size, scale, window, out, out_stride_b, out_stride_h)
     /* Only the engine's head_dim gets its own copy: each copy adds most of a second to the build, and the
@@ -308,6 +330,12 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
     case KV_F32: return head_dim == 64 ? CALL(KV_F32, 64) : CALL(KV_F32, head_dim);
     case KV_F16: return head_dim == 64 ? CALL(KV_F16, 64) : CALL(KV_F16, head_dim);
     case KV_BF16: return head_dim == 64 ? CALL(KV_BF16, 64) : CALL(KV_BF16, head_dim);
+    case KV_I8:
+        if (!k_scale || !v_scale) return -2;
+        return head_dim == 64 ? CALL(KV_I8, 64) : CALL(KV_I8, head_dim);
+    case KV_F8:
+        if (!k_scale || !v_scale) return -2;
+        return head_dim == 64 ? CALL(KV_F8, 64) : CALL(KV_F8, head_dim);
     default: return -2;
     }
 #undef CALL
@@ -317,8 +345,9 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
 const char *kl_paged_attention_isa(void) { return kv_half_isa(); }
 
 /* n floats into a cache row of `kv_format` (the fused call's write, exported so the tests can check its
- * rounding on chosen values). */
+ * rounding on chosen values). Not int8 or fp8, whose rows go through a page scale (kl_write_kv_scaled). */
 void kl_store_kv_row(int kv_format, const float *src, int64_t n, void *dst) {
+    if (kv_scaled(kv_format)) return;
     if (kv_format == KV_F32)
         memcpy(dst, src, (size_t)n * sizeof(float));
     else
@@ -336,6 +365,37 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
     for (int i = half; i < head_dim; ++i) o[i] = x[i] * cos_row[i] + x[i - half] * sin_row[i];
 }
 
+/* One token's K or V rows (num_kv_heads rows of head_dim floats, `x`) into int8 or fp8 pages at `slot`:
+ * project 05's policy per (page, KV head), kv_int8.h. Strides in elements (bytes, for one-byte codes). */
+static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t *cache, float *scales,
+                               int64_t stride_block, int64_t stride_token, int64_t stride_head, int num_kv_heads,
+                               int head_dim, int block_size) {
+    const int64_t block = slot / block_size;
+    for (int h = 0; h < num_kv_heads; ++h)
+        write_scaled_row(format, x + (int64_t)h * head_dim, head_dim, cache + block * stride_block + h * stride_head,
+                         stride_token, block_size, (int)(slot % block_size), scales + block * num_kv_heads + h);
+}
+
+/* `tokens` rows of K and V ([tokens, num_kv_heads, head_dim] floats, dense) into int8 or fp8 pages
+ * (`kv_format`) at `slots`, one token after another, as the fused call writes them (a slot of -1 stores
+ * nothing). Exported for the tests, which hold it to kernel_lab/ops/kv_cache.py's reference called once per
+ * token. Returns -2 (nothing written) for a format without page scales. */
+int kl_write_kv_scaled(int kv_format, const float *key, const float *value, const int64_t *slots, int64_t tokens,
+                       void *k_cache, void *v_cache, float *k_scale, float *v_scale, int64_t cache_stride_block,
+                       int64_t cache_stride_token, int64_t cache_stride_head, int num_kv_heads, int head_dim,
+                       int block_size) {
+    if (!kv_scaled(kv_format)) return -2;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] < 0) continue;
+        write_token_scaled(kv_format, key + t * row, slots[t], k_cache, k_scale, cache_stride_block,
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+        write_token_scaled(kv_format, value + t * row, slots[t], v_cache, v_scale, cache_stride_block,
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+    }
+    return 0;
+}
+
 /* One layer's attention for a CPU decode step in a single call: RoPE on q and k, K and V stored into the
  * paged cache at `slots` (rounded to nearest even for 16-bit pages), then every row attends (as
  * kl_paged_decode_attention) over its context.
@@ -346,44 +406,66 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
  * a decode step outside the linear layers.
  *
  * qkv [tokens, (Hq + 2 Hkv) * head_dim] is the qkv projection's output, row stride `qkv_stride`; cos and
- * sin [tokens, head_dim] are the rows of each token's position (contiguous). Every token's K and V are
- * written before any row attends, so rows of one sequence in one call (prompt tokens) see each other; with
- * a sliding `window` each row sees the last `window` tokens of its own length. A slot
+ * sin [tokens, head_dim] are the rows of each token's position (contiguous). Float32 and 16-bit pages: every
+ * token's K and V are written before any row attends, so rows of one sequence in one call (prompt tokens)
+ * see each other. Int8 and fp8 pages (`k_scale`, `v_scale` as kl_paged_decode_attention's; NULL for the
+ * other formats): each row is written and then attends, in row order, because a write may requantise its page:
+ * a row then sees its page as its own and the earlier tokens left it, never rescaled by a later token, so
+ * its result does not depend on where a prompt's chunks begin. With a sliding `window` each row sees the
+ * last `window` tokens of its own length. A slot
  * of -1 stores nothing. `out` [tokens, Hq * head_dim] is contiguous. Returns 0, or -1 when scratch memory
  * cannot be allocated (then the cache may hold this call's K and V but `out` is unwritten). */
 int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const float *cos_rows,
                                   const float *sin_rows, const int64_t *slots, void *k_cache, void *v_cache,
-                                  int kv_format, int64_t cache_stride_block, int64_t cache_stride_token,
-                                  int64_t cache_stride_head, const int32_t *block_tables, int64_t table_stride,
-                                  const int32_t *seq_lens, int tokens, int num_q_heads, int num_kv_heads,
-                                  int head_dim, int block_size, float scale, int window, float *out) {
-    if (kv_format != KV_F32 && kv_format != KV_F16 && kv_format != KV_BF16) return -2;
+                                  int kv_format, float *k_scale, float *v_scale, int64_t cache_stride_block,
+                                  int64_t cache_stride_token, int64_t cache_stride_head, const int32_t *block_tables,
+                                  int64_t table_stride, const int32_t *seq_lens, int tokens, int num_q_heads,
+                                  int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                                  float *out) {
+    if (kv_format != KV_F32 && kv_format != KV_F16 && kv_format != KV_BF16 && !kv_scaled(kv_format)) return -2;
+    if (kv_scaled(kv_format) && (!k_scale || !v_scale)) return -2;
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
-    const int64_t element = kv_format == KV_F32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
-    /* The query rows, then one head row of rotated K (converted from there when the pages are 16-bit). */
-    float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)head_dim) * sizeof(float));
+    const int64_t element = kv_element_bytes(kv_format);
+    /* The query rows, then the token's rotated K rows (converted from there when the pages are narrow). */
+    float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)kv_row) * sizeof(float));
     if (!q) return -1;
     float *k_row = q + (size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row;
+    int status = 0;
     for (int t = 0; t < tokens; ++t) {
         const float *src = qkv + t * qkv_stride, *c = cos_rows + (int64_t)t * head_dim;
         const float *s = sin_rows + (int64_t)t * head_dim;
         for (int h = 0; h < num_q_heads; ++h)
             rope_row(src + (int64_t)h * head_dim, c, s, head_dim, q + t * q_row + (int64_t)h * head_dim);
         const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
-        for (int h = 0; h < num_kv_heads; ++h) {
-            const float *k = src + q_row + (int64_t)h * head_dim, *v = k + kv_row;
-            const int64_t byte = (at + h * cache_stride_head) * element;
-            rope_row(k, c, s, head_dim, k_row);
-            kl_store_kv_row(kv_format, k_row, head_dim, (char *)k_cache + byte);
-            kl_store_kv_row(kv_format, v, head_dim, (char *)v_cache + byte);
+        if (slot >= 0 && kv_scaled(kv_format)) {
+            for (int h = 0; h < num_kv_heads; ++h)
+                rope_row(src + q_row + (int64_t)h * head_dim, c, s, head_dim, k_row + (int64_t)h * head_dim);
+            write_token_scaled(kv_format, k_row, slot, k_cache, k_scale, cache_stride_block, cache_stride_token,
+                               cache_stride_head, num_kv_heads, head_dim, block_size);
+            write_token_scaled(kv_format, src + q_row + kv_row, slot, v_cache, v_scale, cache_stride_block,
+                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+        } else if (slot >= 0) {
+            const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
+            for (int h = 0; h < num_kv_heads; ++h) {
+                const float *k = src + q_row + (int64_t)h * head_dim, *v = k + kv_row;
+                const int64_t byte = (at + h * cache_stride_head) * element;
+                rope_row(k, c, s, head_dim, k_row);
+                kl_store_kv_row(kv_format, k_row, head_dim, (char *)k_cache + byte);
+                kl_store_kv_row(kv_format, v, head_dim, (char *)v_cache + byte);
+            }
         }
+        if (kv_scaled(kv_format) && status == 0)
+            status = kl_paged_decode_attention(q + t * q_row, q_row, head_dim, k_cache, v_cache, kv_format, k_scale,
+                                               v_scale, cache_stride_block, cache_stride_token, cache_stride_head,
+                                               block_tables + t * table_stride, table_stride, seq_lens + t, 1,
+                                               num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
+                                               out + t * q_row, q_row, head_dim);
     }
-    const int status = kl_paged_decode_attention(q, q_row, head_dim, k_cache, v_cache, kv_format, cache_stride_block,
-                                                     cache_stride_token, cache_stride_head, block_tables,
-                                                     table_stride, seq_lens, tokens, num_q_heads, num_kv_heads,
-                                                     head_dim, block_size, scale, window, out, q_row, head_dim);
+    if (!kv_scaled(kv_format))
+        status = kl_paged_decode_attention(q, q_row, head_dim, k_cache, v_cache, kv_format, NULL, NULL,
+                                           cache_stride_block, cache_stride_token, cache_stride_head, block_tables,
+                                           table_stride, seq_lens, tokens, num_q_heads, num_kv_heads, head_dim,
+                                           block_size, scale, window, out, q_row, head_dim);
     free(q);
     return status;
 }
