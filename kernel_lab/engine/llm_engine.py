@@ -26,6 +26,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
+from .speculative import Speculator
 
 
 class LLMEngine:
@@ -42,6 +43,8 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
 
     # ------------------------------------------------------------------------------------------- requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -105,6 +108,8 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self.structured_outputs.waiting else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -116,8 +121,12 @@ class LLMEngine:
         # fails everything); a request's own fault in sampling or output processing ends that request alone.
         results, sample_failures = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
         self.scheduler.update_computed(batch)
+        if self.speculator is not None:
+            results, sample_failures = self.speculator.verify(results, sample_failures)
         self.num_generated_tokens += len(results)
         outputs = failed + self.output_processor.process(results, sample_failures)
+        if self.speculator is not None:
+            self.speculator.rollback(batch, self.block_manager)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
