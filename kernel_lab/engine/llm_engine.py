@@ -136,7 +136,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
-        return EngineStats(
+        stats = EngineStats(
             num_running=running, num_waiting=len(self.requests) - running,
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
@@ -144,3 +144,6 @@ class LLMEngine:
             weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
             resident_weight_bytes=self.runner.model.resident_weight_bytes(),
         )
+        if self.speculator is not None:
+            stats["spec_decode"] = self.speculator.counters()
+        return stats

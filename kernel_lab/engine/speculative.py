@@ -82,6 +82,11 @@ class Speculator:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
+    def counters(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+
     def eligible(self, seq) -> bool:
         p = seq.params
         return (seq.matcher is None and p.logprobs is None and p.max_tokens != 0

@@ -203,3 +203,31 @@ def test_abort_mid_speculation_leaks_no_blocks(engine):
 
     final = _run(engine, BASE, params, 4, abort)
     assert aborted and len(aborted) + len(final) >= len(BASE) - 1
+
+
+def test_spec_decode_metrics(engine):
+    """vLLM's spec_decode_* counters, from the engine's stats to the server's /metrics text."""
+    from kernel_lab.server.metrics import PREFIX, ServerMetrics
+
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    final = _run(engine, BASE, params, 3)
+    spec = engine.stats()["spec_decode"]
+    per_pos = spec["num_accepted_tokens_per_pos"]
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(per_pos) == spec["num_accepted_tokens"] and len(per_pos) == 3
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))    # position i accepted only after i - 1
+    # each sequence's first token comes from its prefill; every verify step emits its accepted drafts + 1
+    generated = sum(len(c.token_ids) for out in final.values() for c in out.outputs)
+    assert generated >= spec["num_accepted_tokens"] + spec["num_drafts"]
+    metrics = ServerMetrics("m")
+    metrics.on_step(engine.stats())
+    text = metrics.render()
+    assert f'{PREFIX}spec_decode_num_drafts_total{{model_name="m"}} {spec["num_drafts"]}' in text
+    assert f'{PREFIX}spec_decode_num_draft_tokens_total{{model_name="m"}} {spec["num_draft_tokens"]}' in text
+    assert f'{PREFIX}spec_decode_num_accepted_tokens_total{{model_name="m"}} {spec["num_accepted_tokens"]}' in text
+    assert f'{PREFIX}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} {per_pos[1]}' \
+        in text
+    engine.speculator = None
+    assert "spec_decode" not in engine.stats()
+    metrics.on_step(engine.stats())
+    assert "spec_decode" not in metrics.render()
