@@ -74,3 +74,17 @@ def test_proposer_matches_brute_force_on_random_contexts():
         hi = rng.randint(lo, 6)
         k = rng.randint(0, 6)
         assert propose_ngram(tokens, lo, hi, k) == propose_ngram_reference(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_speculative_config_flag_on_engine_commands():
+    """--speculative-config comes from EngineConfig's field, so generate, serve and bench all take it."""
+    import argparse
+
+    from kernel_lab.engine.arg_utils import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    raw = '{"method": "ngram", "num_speculative_tokens": 2}'
+    kwargs = engine_kwargs(parser.parse_args(["--speculative-config", raw]))
+    assert SpeculativeConfig.parse(kwargs["speculative_config"]).num_speculative_tokens == 2
+    assert engine_kwargs(parser.parse_args([]))["speculative_config"] is None
