@@ -74,6 +74,7 @@ def _assert_tight(engine) -> None:
     """After a step no sequence holds a block past its tokens (rejected drafts' blocks were given back),
     and the prefix cache holds only computed blocks of real tokens (no rejected draft entered it)."""
     bm, bs = engine.block_manager, engine.block_manager.block_size
+    assert not any(seq.draft_token_ids for seq in engine.scheduler.waiting)     # preempted: drafts dropped
     for seq in engine.scheduler.running:
         assert not seq.draft_token_ids
         assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), seq.seq_id
@@ -231,3 +232,19 @@ def test_spec_decode_metrics(engine):
     assert "spec_decode" not in engine.stats()
     metrics.on_step(engine.stats())
     assert "spec_decode" not in metrics.render()
+
+
+@pytest.mark.parametrize("budget", [16, 8])
+def test_identical_under_preemption_and_a_short_token_budget(engine, budget):
+    """A small pool (sequences preempted mid-speculation, recomputed from their prompt) and a budget that
+    cuts drafts short: still the tokens of decoding without speculation, and the pool whole at the end."""
+    small = LLMEngine(None, dtype="float32", device="cpu", weights="float32", max_model_len=64, max_num_seqs=8,
+                      num_kv_blocks=10, max_num_batched_tokens=budget, block_size=8, enable_prefix_caching=True)
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True)]
+    prompts = BASE
+    base = _run(small, prompts, params, None)
+    before = small.scheduler.num_preemptions
+    spec = _run(small, prompts, params, 4)
+    assert small.scheduler.num_preemptions > before and small.speculator.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(base)
