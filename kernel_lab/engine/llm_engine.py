@@ -126,7 +126,7 @@ class LLMEngine:
         self.num_generated_tokens += len(results)
         outputs = failed + self.output_processor.process(results, sample_failures)
         if self.speculator is not None:
-            self.speculator.rollback(batch, self.block_manager)
+            self.speculator.rollback(batch, self.block_manager, self.scheduler.running)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)

@@ -139,9 +139,10 @@ class Speculator:
             seq.num_accepted_drafts = accepted
         return out, failed
 
-    def rollback(self, batch, block_manager) -> None:
+    def rollback(self, batch, block_manager, running) -> None:
         """After the output processor appended the tokens: the accepted drafts' K/V count as computed; the
-        rejected ones' slots are given back with every block past the sequence's new length."""
+        rejected ones' slots are given back with every block past the sequence's new length. Drafts of
+        running sequences the budget left out of the step are dropped too: no draft outlives its step."""
         for seq, _ in batch.items:
             drafts = seq.draft_token_ids
             if not drafts:
@@ -153,3 +154,5 @@ class Speculator:
             # the output processor appended accepted + 1 tokens, or fewer where a stop rule ended it
             seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
             block_manager.truncate(seq, seq.num_tokens)
+        for seq in running:
+            seq.draft_token_ids = []
