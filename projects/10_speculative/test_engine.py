@@ -123,8 +123,16 @@ GREEDY = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 
 
 def test_greedy_identical_with_and_without_speculation(engine):
-    base = _run(engine, PROMPTS, GREEDY, None)
-    spec = _run(engine, PROMPTS, GREEDY, 3)
+    # stops that fire inside accepted drafts: strings the outputs reach, and a token id (the digit 3)
+    three = engine.tokenizer.encode("3", add_special_tokens=False)
+    assert len(three) == 1
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=three), GREEDY[1],
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[" sat", "\nx", " four one"]),
+              GREEDY[3]]
+    base = _run(engine, PROMPTS, params, None)
+    reasons = [c.stop_reason for out in base.values() for c in out.outputs]
+    assert any(isinstance(r, str) for r in reasons) and three[0] in reasons, reasons
+    spec = _run(engine, PROMPTS, params, 3)
     s = engine.speculator
     assert s.num_drafts > 0 and s.num_accepted_tokens > 0, (s.num_drafts, s.num_accepted_tokens)
     assert _tokens(spec) == _tokens(base)
