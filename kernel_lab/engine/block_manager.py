@@ -143,6 +143,17 @@ class BlockManager:
                 self.cached[block.hash] = block.block_id
         seq.num_committed_blocks = num_full
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (rejected speculative slots). They hold
+        nothing computed, so none of them is in the prefix cache."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_list[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks go to the free list first, so under LRU they are
         evicted before the head blocks, which are the likelier to be shared prefixes."""

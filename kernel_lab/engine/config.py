@@ -15,6 +15,7 @@ from kernel_lab.ops.kv_cache import FP8_DTYPE, SUPPORTED_BLOCK_SIZES, kv_cache_b
 
 from .block_manager import blocks_needed
 from .generation_defaults import GENERATION_CONFIG_CHOICES, sampling_defaults
+from .speculative_config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -121,6 +122,9 @@ class EngineConfig:
     enable_lora: bool = _option(False, "serve LoRA adapters (LLM.generate(..., lora_request=LoRARequest(...)))")
     max_loras: int = _option(1, "LoRA adapters resident at once (device slots; LRU eviction)")
     max_lora_rank: int = _option(16, "largest LoRA rank an adapter may have (slots are padded to it)")
+    speculative_config: str | dict | None = _option(None, "speculative decoding, vLLM's JSON, e.g. "
+                                                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                                          "\"prompt_lookup_max\": 4}' (default: off)")
     model_dir: Path | None = field(init=False, default=None)
     hf_config: dict = field(init=False, repr=False, default_factory=dict)
     model_config: ModelConfig = field(init=False, repr=False, default=None)
@@ -162,6 +166,7 @@ class EngineConfig:
         if self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {self.weights!r}")
 
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.device, self.dtype)

@@ -28,6 +28,7 @@ class EngineStats(TypedDict):
     weights: NotRequired[str]          # the weight path taken ("quantized" or "float32")
     weight_bytes: NotRequired[int]     # bytes of weights one decode step reads
     resident_weight_bytes: NotRequired[int]
+    spec_decode: NotRequired[dict]     # with --speculative-config: Speculator.counters() (vLLM's spec_decode_*)
 
 
 class ServedModel(Protocol):

@@ -27,6 +27,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
+from .speculative import Speculator
 
 
 class LLMEngine:
@@ -46,6 +47,8 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
 
     # ------------------------------------------------------------------------------------------- requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -131,6 +134,8 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self.structured_outputs.waiting else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -142,8 +147,12 @@ class LLMEngine:
         # fails everything); a request's own fault in sampling or output processing ends that request alone.
         results, sample_failures = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
         self.scheduler.update_computed(batch)
+        if self.speculator is not None:
+            results, sample_failures = self.speculator.verify(results, sample_failures)
         self.num_generated_tokens += len(results)
         outputs = failed + self.output_processor.process(results, sample_failures)
+        if self.speculator is not None:
+            self.speculator.rollback(batch, self.block_manager, self.scheduler.running)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -153,7 +162,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
-        return EngineStats(
+        stats = EngineStats(
             num_running=running, num_waiting=len(self.requests) - running,
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
@@ -161,3 +170,6 @@ class LLMEngine:
             weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
             resident_weight_bytes=self.runner.model.resident_weight_bytes(),
         )
+        if self.speculator is not None:
+            stats["spec_decode"] = self.speculator.counters()
+        return stats

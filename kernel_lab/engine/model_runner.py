@@ -22,6 +22,7 @@ from .config import EngineConfig
 from .kv_sizing import default_num_kv_blocks
 from .sampler import Sampler, SampleResult, score_prompts
 from .sequence import Sequence
+from .speculative import draft_positions
 
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -130,7 +131,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             row0 = len(input_ids)
             row_seqs += [seq] * n
-            input_ids += seq.token_ids[start:start + n]
+            input_ids += seq.token_ids[start:start + n] + seq.draft_token_ids
             positions += range(start, start + n)
             slots += self._slots(seq, start, start + n)
             if n > 1:
@@ -138,7 +139,10 @@ class ModelRunner:
                 prefix_slots += self._slots(seq, 0, start)
             if seq.request.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 prompt_chunks.append((seq, row0, n, start))
-            if start + n == seq.num_tokens:
+            if seq.draft_token_ids:     # every row of a speculative step is sampled (speculative.py)
+                sample_rows += range(row0, row0 + n)
+                sample_seqs += draft_positions(seq)
+            elif start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         return StepInputs(decodes, input_ids, positions, slots, chunk_specs, prefix_slots, sample_rows, sample_seqs,

@@ -53,7 +53,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            if seq.draft_token_ids:     # a short budget takes fewer drafts
+                seq.draft_token_ids = seq.draft_token_ids[:num_new - 1]
             while not bm.append_slots(seq, num_new):
                 victim = self.running.pop()  # latest arrival; never one already scheduled (index >= i)
                 self._preempt(victim)
@@ -89,6 +91,7 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -104,7 +107,8 @@ class Scheduler:
         Returns the sequences whose tokens are now all computed (they receive a sampled token)."""
         ready = []
         for seq, num_new in batch.items:
-            seq.num_computed_tokens += num_new
+            # drafts count once accepted (Speculator.rollback), so nothing of theirs is committed here
+            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)

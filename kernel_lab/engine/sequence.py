@@ -41,6 +41,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.output = None                      # the OutputProcessor's text and logprob state
         self.matcher = None                     # the grammar's SequenceMatcher, when structured
+        self.draft_token_ids: list[int] = []    # this step's speculative drafts (speculative.py)
 
     @property
     def params(self) -> SamplingParams:

@@ -167,6 +167,7 @@ class ServerMetrics:
                 "ttft_count": self.ttft.count,
                 "e2e_count": self.e2e.count,
                 "itl_count": self.itl.count,
+                "spec_decode": stats.get("spec_decode"),
             }
 
     def render(self, extra_gauges: dict[str, tuple[str, float]] | None = None) -> str:
@@ -241,6 +242,16 @@ class ServerMetrics:
             f"Generated tokens/s over the last {THROUGHPUT_WINDOW_S:g} s.",
             snap["generation_throughput_toks_per_s"],
         )
+        spec = snap["spec_decode"]
+        if spec is not None:    # vLLM's names, present only with speculative decoding on
+            counter("spec_decode_num_drafts", "Draft proposals verified (one per sequence and step).",
+                    spec["num_drafts"])
+            counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec["num_draft_tokens"])
+            counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["num_accepted_tokens"])
+            family("spec_decode_num_accepted_tokens_per_pos", "counter",
+                   "Draft tokens accepted, by position in the draft (0: the first).",
+                   [("_total", model | {"position": str(i)}, v)
+                    for i, v in enumerate(spec["num_accepted_tokens_per_pos"])])
         for name, (help_text, value) in (extra_gauges or {}).items():
             gauge(name, help_text, value)
         with self.lock:

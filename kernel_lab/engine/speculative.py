@@ -1,0 +1,158 @@
+"""Speculative decoding in the engine (n-gram drafts, projects/10_speculative/README.md, "In the engine").
+
+A step, for a decoding sequence with drafts d1..dk (`Sequence.draft_token_ids`, set by `propose` before
+scheduling):
+- the scheduler gives it 1 + k tokens of the step's budget (fewer drafts when the budget is short), and the
+  runner computes its last token and the drafts in one pass, sampling all k + 1 rows;
+- row j is sampled as `DraftPosition` j: the sequence as it would be with d1..dj appended, so the keyed
+  seed (Sampler.step_seed: request seed, completion index, position), penalties, logit_bias and min_tokens
+  are exactly what decoding without speculation has at that position;
+- `verify` accepts drafts while they equal those draws and emits the accepted drafts and one draw, one
+  SampleResult per token, so every stop rule holds per token (the output processor stops at the first);
+- `rollback`: only the last token and the accepted drafts count as computed, the blocks past the new
+  length are freed, and the prefix cache only ever registers blocks of computed, accepted tokens.
+For a deterministic proposer this is both of ops.rejection_sample's rules (one-hot q): the output is token
+for token the output without speculation, greedy or seeded.
+
+Not speculated (documented limits of this stage): structured outputs (the grammar matcher has no rollback
+here yet), requests with logprobs, and sequences still in prefill.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .ngram_proposer import propose_ngram
+from .sampler import SampleResult
+from .speculative_config import SpeculativeConfig
+
+
+class DraftPosition:
+    """What the sampler reads of a sequence, `offset` drafts ahead of its real state."""
+
+    __slots__ = ("seq", "offset")
+
+    def __init__(self, seq, offset: int):
+        self.seq, self.offset = seq, offset
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def request(self):
+        return self.seq.request
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def matcher(self):
+        return None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.seq.draft_token_ids[:self.offset]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.seq.draft_token_ids[:self.offset]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.offset
+
+
+def draft_positions(seq) -> list[DraftPosition]:
+    return [DraftPosition(seq, j) for j in range(len(seq.draft_token_ids) + 1)]
+
+
+class Speculator:
+    """The engine's hooks, and vLLM's spec_decode counters (num_drafts, num_draft_tokens,
+    num_accepted_tokens, num_accepted_tokens_per_pos)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+
+    def counters(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+
+    def eligible(self, seq) -> bool:
+        p = seq.params
+        return (seq.matcher is None and p.logprobs is None and p.max_tokens != 0
+                and seq.num_tokens - seq.num_computed_tokens == 1)
+
+    def propose(self, running) -> None:
+        c = self.config
+        for seq in running:
+            seq.draft_token_ids = []
+            if not self.eligible(seq):
+                continue
+            k = c.num_speculative_tokens
+            # no draft past max_tokens (each step emits drafts + 1) or past the model's length
+            if seq.params.max_tokens is not None:
+                k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(k, self.max_model_len - seq.num_tokens)
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+
+    def verify(self, results: list[SampleResult], failures):
+        """The sampler's per-row results (DraftPosition rows included) -> per-sequence tokens to append."""
+        rows = defaultdict(list)
+        out, failed, failed_seqs = [], [], set()
+        for row, exc in failures:
+            seq = row.seq if isinstance(row, DraftPosition) else row
+            if seq.seq_id not in failed_seqs:
+                failed_seqs.add(seq.seq_id)
+                failed.append((seq, exc))
+        for r in results:
+            if isinstance(r.seq, DraftPosition):
+                rows[r.seq.seq.seq_id].append(r)
+            elif r.seq.seq_id not in failed_seqs:
+                out.append(r)
+        for group in rows.values():
+            seq = group[0].seq.seq
+            if seq.seq_id in failed_seqs:
+                continue
+            group.sort(key=lambda r: r.seq.offset)
+            drafts = seq.draft_token_ids
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == group[accepted].token_id:
+                accepted += 1
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.num_accepted_tokens_per_pos[pos] += 1
+            for r in group[:accepted + 1]:
+                out.append(SampleResult(seq, r.token_id, r.logprob, r.top_logprobs, r.rank))
+            seq.num_accepted_drafts = accepted
+        return out, failed
+
+    def rollback(self, batch, block_manager, running) -> None:
+        """After the output processor appended the tokens: the accepted drafts' K/V count as computed; the
+        rejected ones' slots are given back with every block past the sequence's new length. Drafts of
+        running sequences the budget left out of the step are dropped too: no draft outlives its step."""
+        for seq, _ in batch.items:
+            drafts = seq.draft_token_ids
+            if not drafts:
+                continue
+            accepted = getattr(seq, "num_accepted_drafts", 0)
+            seq.draft_token_ids, seq.num_accepted_drafts = [], 0
+            if seq.is_finished or not seq.block_table:
+                continue
+            # the output processor appended accepted + 1 tokens, or fewer where a stop rule ended it
+            seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
+            block_manager.truncate(seq, seq.num_tokens)
+        for seq in running:
+            seq.draft_token_ids = []

@@ -1,0 +1,67 @@
+"""`--speculative-config`: vLLM's JSON for speculative decoding, parsed and checked once, where it enters
+(EngineConfig). Only the n-gram proposer (`"method": "ngram"`, prompt lookup) exists so far; a draft model
+(`"model": PATH`) is refused by name until it does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+MAX_SPECULATIVE_TOKENS = 16      # ops.rejection_sample's bound on drafts per sequence
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+
+def _positive_int(raw: dict, key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """From a JSON string (the command line), a dict (`LLM(speculative_config=...)`), a SpeculativeConfig
+        or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
+        if value.get("model") is not None:
+            raise ValueError("speculative_config.model: draft-model speculation is not implemented yet; "
+                             'use {"method": "ngram", ...}')
+        method = value.get("method")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' (the one proposer implemented), "
+                             f"got {method!r}")
+        k = _positive_int(value, "num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {k}")
+        hi, lo = _positive_int(value, "prompt_lookup_max"), _positive_int(value, "prompt_lookup_min")
+        # vLLM's defaults: one bound given stands for both; neither given is 5 and 5
+        if hi is None and lo is None:
+            hi = lo = 5
+        hi = lo if hi is None else hi
+        lo = hi if lo is None else lo
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method, k, hi, lo)

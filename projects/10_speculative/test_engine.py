@@ -1,0 +1,258 @@
+"""n-gram speculation in the engine, on the bundled SmolLM2 (fp32 on CPU, prefix caching on): greedy output
+identical token for token to decoding without speculation for 32+ concurrent prompts, with drafts accepted;
+a seeded sampled request identical at k=2, k=5 and without; the verify rows' logits equal to 1-row decode's
+at the same position and context; aborts mid-speculation leave no block held; no sequence holds a block
+past its length after a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_lab.engine import LLMEngine, SamplingParams
+from kernel_lab.engine.block_manager import chain_hash
+from kernel_lab.engine.speculative import DraftPosition, Speculator
+from kernel_lab.engine.speculative_config import SpeculativeConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread", "reference_only")
+
+# repetition, so prompt lookup finds n-grams whose continuation the model does follow
+BASE = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "a b c a b c a b c a b", "The cat sat on the mat. The cat sat on the",
+        "red green blue red green blue red", "Monday Tuesday Wednesday Monday Tuesday",
+        "one two three four one two three four one", "x = x + 1\nx = x + 1\nx = x +",
+        "I like tea. I like coffee. I like"]
+PROMPTS = [p if i < len(BASE) else f"{i}: {p}" for i, p in enumerate(BASE * 4)]     # 32, shared prefixes
+
+
+def _missing() -> str | None:
+    try:
+        import gguf  # noqa: F401
+        import tokenizers  # noqa: F401
+
+        from kernel_lab.models.gguf import default_model_path
+
+        default_model_path()
+    except (ImportError, FileNotFoundError) as exc:
+        return f"the bundled model cannot be loaded on this machine: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    return LLMEngine(None, dtype="float32", device="cpu", weights="float32", max_model_len=128, max_num_seqs=40,
+                     num_kv_blocks=160, max_num_batched_tokens=256, block_size=16, enable_prefix_caching=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                         "prompt_lookup_min": 1})
+
+
+def _speculator(engine, k: int | None) -> Speculator | None:
+    if k is None:
+        return None
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                                 "prompt_lookup_min": 1})
+    return Speculator(c, engine.config.max_model_len)
+
+
+def _assert_idle(engine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def _assert_tight(engine) -> None:
+    """After a step no sequence holds a block past its tokens (rejected drafts' blocks were given back),
+    and the prefix cache holds only computed blocks of real tokens (no rejected draft entered it)."""
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    assert not any(seq.draft_token_ids for seq in engine.scheduler.waiting)     # preempted: drafts dropped
+    for seq in engine.scheduler.running:
+        assert not seq.draft_token_ids
+        assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), seq.seq_id
+        assert seq.num_computed_tokens < seq.num_tokens, seq.seq_id
+        assert seq.num_committed_blocks * bs <= seq.num_computed_tokens, seq.seq_id
+        parent = None
+        for i, h in enumerate(seq.block_hashes):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            assert len(tokens) == bs and h == chain_hash(parent, tokens), (seq.seq_id, i)
+            parent = h
+        for i in range(seq.num_committed_blocks):
+            block = bm.blocks[seq.block_table[i]]     # unregistered (None) where the cache had it already
+            assert block.token_ids in (None, tuple(seq.token_ids[i * bs:(i + 1) * bs])), (seq.seq_id, i)
+
+
+def _run(engine, prompts, params, k: int | None, abort=None) -> dict:
+    engine.speculator = _speculator(engine, k)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params[i % len(params)])
+    final, steps = {}, 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            steps += 1
+            _assert_tight(engine)
+            if abort is not None:
+                abort(engine, steps)
+        _assert_idle(engine)
+    finally:    # a failed check leaves the module's engine clean for the next test
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+    return final
+
+
+def _tokens(final) -> dict:
+    return {rid: [list(c.token_ids) for c in out.outputs] for rid, out in final.items()}
+
+
+GREEDY = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+          SamplingParams(max_tokens=9, temperature=0, min_tokens=3),                 # EOS may stop it
+          SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[" 9", " c a", " two three"]),
+          SamplingParams(max_tokens=11, temperature=0, ignore_eos=True, repetition_penalty=1.1,
+                         frequency_penalty=-0.7)]
+
+
+def test_greedy_identical_with_and_without_speculation(engine):
+    # stops that fire inside accepted drafts: strings the outputs reach, and a token id (the digit 3)
+    three = engine.tokenizer.encode("3", add_special_tokens=False)
+    assert len(three) == 1
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=three), GREEDY[1],
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[" sat", "\nx", " four one"]),
+              GREEDY[3]]
+    base = _run(engine, PROMPTS, params, None)
+    reasons = [c.stop_reason for out in base.values() for c in out.outputs]
+    assert any(isinstance(r, str) for r in reasons) and three[0] in reasons, reasons
+    spec = _run(engine, PROMPTS, params, 3)
+    s = engine.speculator
+    assert s.num_drafts > 0 and s.num_accepted_tokens > 0, (s.num_drafts, s.num_accepted_tokens)
+    assert _tokens(spec) == _tokens(base)
+    assert {r: [c.text for c in o.outputs] for r, o in spec.items()} == \
+           {r: [c.text for c in o.outputs] for r, o in base.items()}
+    assert {r: [c.finish_reason for c in o.outputs] for r, o in spec.items()} == \
+           {r: [c.finish_reason for c in o.outputs] for r, o in base.items()}
+
+
+def test_seeded_sample_identical_at_k2_k5_and_without(engine):
+    params = [SamplingParams(max_tokens=14, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True, n=2)]
+    prompts = BASE[:4]
+    runs = {}
+    accepted = 0
+    for k in (None, 2, 5):
+        runs[k] = _tokens(_run(engine, prompts, params, k))
+        accepted += engine.speculator.num_accepted_tokens if engine.speculator else 0
+    assert accepted > 0
+    assert runs[2] == runs[None]
+    assert runs[5] == runs[None]
+
+
+def test_verify_rows_equal_one_row_decode(engine, monkeypatch):
+    """Each sampled row, keyed by (request, completion, context): a speculative step's rows give bit for bit
+    the logits a 1-row decode step computed for the same context, and, penalties applied per position, the
+    same token; every row's view of its sequence is that context's (output tokens, their count)."""
+    seen: dict[tuple, tuple] = {}
+    spec_rows = []
+    sampler = engine.runner.sampler
+    original = sampler.sample_each
+
+    def recording(logits, seqs):
+        results, failures = original(logits, seqs)
+        assert not failures
+        for row, (s, r) in enumerate(zip(seqs, results, strict=True)):
+            assert list(s.output_token_ids) == list(s.token_ids[s.num_prompt_tokens:])
+            assert s.num_output_tokens == len(s.token_ids) - s.num_prompt_tokens
+            key = (s.request.request_id, s.index, tuple(s.token_ids))
+            entry = (logits[row].clone(), r.token_id)
+            if isinstance(s, DraftPosition):
+                spec_rows.append((key, entry))
+            else:
+                seen[key] = entry
+        return results, failures
+
+    monkeypatch.setattr(sampler, "sample_each", recording)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=-1.5),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=1.0,
+                             frequency_penalty=0.8)]
+    _run(engine, BASE, params, None)
+    _run(engine, BASE, params, 4)
+    compared = [(key, entry) for key, entry in spec_rows if key in seen]
+    assert len(compared) >= 2 * len(BASE)     # every first row, and the accepted ones
+    first = {}
+    for key, _ in compared:
+        first[key[:2]] = min(first.get(key[:2], len(key[2])), len(key[2]))
+    assert sum(len(key[2]) > first[key[:2]] for key, _ in compared) >= len(BASE)    # rows past a draft
+    for key, (logits, token) in compared:
+        assert torch.equal(logits, seen[key][0]), key
+        assert token == seen[key][1], key
+
+
+def test_abort_mid_speculation_leaks_no_blocks(engine):
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.7, seed=5, ignore_eos=True)]
+    aborted = []
+
+    def abort(engine, steps):
+        s = engine.speculator
+        # once drafts were accepted: abort one request each step, the prefill-shared ones first
+        if s.num_accepted_tokens and engine.requests and steps % 2 == 0:
+            rid = sorted(engine.requests)[0]
+            aborted.append(rid)
+            engine.abort_request(rid)
+
+    final = _run(engine, BASE, params, 4, abort)
+    assert aborted and len(aborted) + len(final) >= len(BASE) - 1
+
+
+def test_spec_decode_metrics(engine):
+    """vLLM's spec_decode_* counters, from the engine's stats to the server's /metrics text."""
+    from kernel_lab.server.metrics import PREFIX, ServerMetrics
+
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    final = _run(engine, BASE, params, 3)
+    spec = engine.stats()["spec_decode"]
+    per_pos = spec["num_accepted_tokens_per_pos"]
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(per_pos) == spec["num_accepted_tokens"] and len(per_pos) == 3
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))    # position i accepted only after i - 1
+    # each sequence's first token comes from its prefill; every verify step emits its accepted drafts + 1
+    generated = sum(len(c.token_ids) for out in final.values() for c in out.outputs)
+    assert generated >= spec["num_accepted_tokens"] + spec["num_drafts"]
+    metrics = ServerMetrics("m")
+    metrics.on_step(engine.stats())
+    text = metrics.render()
+    assert f'{PREFIX}spec_decode_num_drafts_total{{model_name="m"}} {spec["num_drafts"]}' in text
+    assert f'{PREFIX}spec_decode_num_draft_tokens_total{{model_name="m"}} {spec["num_draft_tokens"]}' in text
+    assert f'{PREFIX}spec_decode_num_accepted_tokens_total{{model_name="m"}} {spec["num_accepted_tokens"]}' in text
+    assert f'{PREFIX}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} {per_pos[1]}' \
+        in text
+    engine.speculator = None
+    assert "spec_decode" not in engine.stats()
+    metrics.on_step(engine.stats())
+    assert "spec_decode" not in metrics.render()
+
+
+@pytest.mark.parametrize("budget", [16, 8])
+def test_identical_under_preemption_and_a_short_token_budget(engine, budget):
+    """A small pool (sequences preempted mid-speculation, recomputed from their prompt) and a budget that
+    cuts drafts short: still the tokens of decoding without speculation, and the pool whole at the end."""
+    small = LLMEngine(None, dtype="float32", device="cpu", weights="float32", max_model_len=64, max_num_seqs=8,
+                      num_kv_blocks=10, max_num_batched_tokens=budget, block_size=8, enable_prefix_caching=True)
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True)]
+    prompts = BASE
+    base = _run(small, prompts, params, None)
+    before = small.scheduler.num_preemptions
+    spec = _run(small, prompts, params, 4)
+    assert small.scheduler.num_preemptions > before and small.speculator.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(base)
