@@ -55,8 +55,7 @@ class BlockManager:
         return blocks_needed(num_tokens, self.block_size)
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """Chain hashes of the sequence's first `num_full_blocks` blocks (computed once, then reused). The
-        first block's parent is its LoRA adapter's id (None for the base model)."""
+        """Chain hashes of the first `num_full_blocks` blocks (computed once); the first's parent: its LoRA adapter."""
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)

@@ -19,7 +19,7 @@ from .errors import RequestFieldError
 from .grammar import GrammarCompileService, StructuredOutputManager
 from .interface import EngineStats
 from .logits_processors import bad_words_token_ids
-from .lora import LoRAManager, LoRARequest
+from .lora import LoRAEngineCalls, LoRAManager, LoRARequest
 from .model_loader import load_model
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -27,10 +27,10 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
-from .speculative import Speculator
+from .speculative import make_speculator
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineCalls):
     """`LLMEngine(model=None, **options)`: the options are EngineConfig's fields."""
 
     def __init__(self, model=None, **options):
@@ -47,8 +47,7 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, config.max_model_len) if spec is not None else None
+        self.speculator = make_speculator(config.speculative_config, config.max_model_len)
 
     # ------------------------------------------------------------------------------------------- requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -74,10 +73,7 @@ class LLMEngine:
         if not ids:
             raise RequestFieldError("prompt", "prompt is empty (it has no tokens)")
         params.verify(self.config.vocab_size, self.config.max_model_len, ids)
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError("a lora_request needs an engine with enable_lora=True")
-            self.lora.register(lora_request)
+        self._register_lora(lora_request)
         request = Request(request_id, text, ids, params, next(self._arrivals))
         request.lora_request = lora_request
         request.controls = params.controls(self.tokenizer.eos_token_ids,
@@ -113,29 +109,13 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
 
-    # vLLM's runtime adapter calls (the server's /v1/load_lora_adapter and /v1/unload_lora_adapter)
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter now (a request naming it later finds it registered)."""
-        if self.lora is None:
-            raise ValueError("adding a LoRA adapter needs an engine with enable_lora=True")
-        self.lora.register(lora_request)
-        return True
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forget adapter `lora_id` (False if unknown); refused while unfinished requests use it."""
-        return self.lora is not None and self.lora.unregister(lora_id, self.requests.values())
-
-    def list_loras(self) -> set[int]:
-        return set() if self.lora is None else set(self.lora.adapters)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self.structured_outputs.waiting else []
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -147,12 +127,10 @@ class LLMEngine:
         # fails everything); a request's own fault in sampling or output processing ends that request alone.
         results, sample_failures = self.runner.execute(batch.items, self.block_manager.drain_fresh_blocks())
         self.scheduler.update_computed(batch)
-        if self.speculator is not None:
-            results, sample_failures = self.speculator.verify(results, sample_failures)
+        results, sample_failures = self.speculator.verify(results, sample_failures)
         self.num_generated_tokens += len(results)
         outputs = failed + self.output_processor.process(results, sample_failures)
-        if self.speculator is not None:
-            self.speculator.rollback(batch, self.block_manager, self.scheduler.running)
+        self.speculator.rollback(batch, self.block_manager, self.scheduler.running)
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
@@ -162,14 +140,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
-        stats = EngineStats(
+        return EngineStats(
             num_running=running, num_waiting=len(self.requests) - running,
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
-            resident_weight_bytes=self.runner.model.resident_weight_bytes(),
+            resident_weight_bytes=self.runner.model.resident_weight_bytes(), **self.speculator.stats_fields(),
         )
-        if self.speculator is not None:
-            stats["spec_decode"] = self.speculator.counters()
-        return stats

@@ -394,6 +394,34 @@ class LoRAManager:
         self.rows = self.static_rows[:size]
 
 
+class LoRAEngineCalls:
+    """LLMEngine's LoRA entry points, with vLLM's names (the server's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter call them between steps). `self.lora` is the engine's LoRAManager, or None."""
+
+    lora: LoRAManager | None
+    requests: dict
+
+    def _register_lora(self, lora_request: LoRARequest | None, what: str = "a lora_request") -> None:
+        """Read and check an adapter once per lora_int_id, before any request state holds it."""
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"{what} needs an engine with enable_lora=True")
+        self.lora.register(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (a request naming it later finds it registered)."""
+        self._register_lora(lora_request, "adding a LoRA adapter")
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (False if unknown); refused while unfinished requests use it."""
+        return self.lora is not None and self.lora.unregister(lora_id, self.requests.values())
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.adapters)
+
+
 def prefix_root(seq) -> tuple[str, int] | None:
     """The parent of a sequence's first block hash: blocks computed under an adapter are its own."""
     request = getattr(seq.request, "lora_request", None)

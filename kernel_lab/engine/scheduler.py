@@ -54,8 +54,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
-            if seq.draft_token_ids:     # a short budget takes fewer drafts
-                seq.draft_token_ids = seq.draft_token_ids[:num_new - 1]
+            seq.draft_token_ids = seq.draft_token_ids[:num_new - 1]     # a short budget takes fewer drafts
             while not bm.append_slots(seq, num_new):
                 victim = self.running.pop()  # latest arrival; never one already scheduled (index >= i)
                 self._preempt(victim)

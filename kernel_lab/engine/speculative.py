@@ -72,6 +72,26 @@ def draft_positions(seq) -> list[DraftPosition]:
     return [DraftPosition(seq, j) for j in range(len(seq.draft_token_ids) + 1)]
 
 
+class NoSpeculation:
+    """The engine's speculator without --speculative-config: every hook passes the step through."""
+
+    def propose(self, running) -> None:
+        pass
+
+    def verify(self, results, failures):
+        return results, failures
+
+    def rollback(self, batch, block_manager, running) -> None:
+        pass
+
+    def stats_fields(self) -> dict:
+        return {}
+
+
+def make_speculator(config: SpeculativeConfig | None, max_model_len: int):
+    return NoSpeculation() if config is None else Speculator(config, max_model_len)
+
+
 class Speculator:
     """The engine's hooks, and vLLM's spec_decode counters (num_drafts, num_draft_tokens,
     num_accepted_tokens, num_accepted_tokens_per_pos)."""
@@ -81,6 +101,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+
+    def stats_fields(self) -> dict:
+        return {"spec_decode": self.counters()}
 
     def counters(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

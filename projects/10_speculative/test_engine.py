@@ -11,7 +11,7 @@ import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
 from kernel_lab.engine.block_manager import chain_hash
-from kernel_lab.engine.speculative import DraftPosition, Speculator
+from kernel_lab.engine.speculative import DraftPosition, NoSpeculation, Speculator
 from kernel_lab.engine.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reference_only")
@@ -56,9 +56,9 @@ def engine():
                                          "prompt_lookup_min": 1})
 
 
-def _speculator(engine, k: int | None) -> Speculator | None:
+def _speculator(engine, k: int | None):
     if k is None:
-        return None
+        return NoSpeculation()
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                                  "prompt_lookup_min": 1})
     return Speculator(c, engine.config.max_model_len)
@@ -150,7 +150,7 @@ def test_seeded_sample_identical_at_k2_k5_and_without(engine):
     accepted = 0
     for k in (None, 2, 5):
         runs[k] = _tokens(_run(engine, prompts, params, k))
-        accepted += engine.speculator.num_accepted_tokens if engine.speculator else 0
+        accepted += getattr(engine.speculator, "num_accepted_tokens", 0)
     assert accepted > 0
     assert runs[2] == runs[None]
     assert runs[5] == runs[None]
@@ -236,7 +236,7 @@ def test_spec_decode_metrics(engine):
     assert f'{PREFIX}spec_decode_num_accepted_tokens_total{{model_name="m"}} {spec["num_accepted_tokens"]}' in text
     assert f'{PREFIX}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} {per_pos[1]}' \
         in text
-    engine.speculator = None
+    engine.speculator = NoSpeculation()
     assert "spec_decode" not in engine.stats()
     metrics.on_step(engine.stats())
     assert "spec_decode" not in metrics.render()
