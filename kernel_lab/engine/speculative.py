@@ -92,6 +92,22 @@ def make_speculator(config: SpeculativeConfig | None, max_model_len: int):
     return NoSpeculation() if config is None else Speculator(config, max_model_len)
 
 
+# A sequence whose drafts all fail proposes none for this many of its steps, then probes with one draft.
+PROBE_INTERVAL = 8
+
+
+def next_draft_len(k: int, k_max: int, drafted: int, accepted: int) -> int:
+    """How many drafts a sequence proposes next, from its last verify (additive increase, multiplicative
+    decrease): all `drafted` accepted -> one more (up to k_max); none -> half of k (0: it waits
+    PROBE_INTERVAL steps, then tries 1); some -> one more than were accepted. So a workload whose drafts never
+    match soon stops paying for k + 1 rows a step, and one that matches runs at k_max."""
+    if accepted >= drafted:
+        return min(k_max, max(k, drafted) + 1)
+    if accepted == 0:
+        return k // 2
+    return min(k_max, accepted + 1)
+
+
 class Speculator:
     """The engine's hooks, and vLLM's spec_decode counters (num_drafts, num_draft_tokens,
     num_accepted_tokens, num_accepted_tokens_per_pos)."""
@@ -101,6 +117,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+        # seq_id -> (drafts to propose next, steps left to wait when that is 0); only running sequences
+        self.draft_len: dict[int, tuple[int, int]] = {}
 
     def stats_fields(self) -> dict:
         return {"spec_decode": self.counters()}
@@ -117,17 +135,22 @@ class Speculator:
 
     def propose(self, running) -> None:
         c = self.config
+        live = {}
         for seq in running:
             seq.draft_token_ids = []
+            k, wait = live[seq.seq_id] = self.draft_len.get(seq.seq_id, (c.num_speculative_tokens, 0))
             if not self.eligible(seq):
                 continue
-            k = c.num_speculative_tokens
+            if k == 0:
+                live[seq.seq_id] = (0, wait - 1) if wait > 1 else (1, 0)
+                continue
             # no draft past max_tokens (each step emits drafts + 1) or past the model's length
             if seq.params.max_tokens is not None:
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(k, self.max_model_len - seq.num_tokens)
             if k > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        self.draft_len = live   # finished and preempted sequences drop out here
 
     def verify(self, results: list[SampleResult], failures):
         """The sampler's per-row results (DraftPosition rows included) -> per-sequence tokens to append."""
@@ -160,6 +183,9 @@ class Speculator:
             for r in group[:accepted + 1]:
                 out.append(SampleResult(seq, r.token_id, r.logprob, r.top_logprobs, r.rank))
             seq.num_accepted_drafts = accepted
+            k, _ = self.draft_len.get(seq.seq_id, (self.config.num_speculative_tokens, 0))
+            k = next_draft_len(k, self.config.num_speculative_tokens, len(drafts), accepted)
+            self.draft_len[seq.seq_id] = (k, PROBE_INTERVAL if k == 0 else 0)
         return out, failed
 
     def rollback(self, batch, block_manager, running) -> None:

@@ -127,7 +127,7 @@ def test_the_one_call_layer_attention_is_the_separate_ops(monkeypatch):
 
     calls = []
     fused_call = cpu_kernels.rope_write_paged_attention_cpu
-    monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu", lambda *a: calls.append(1) or fused_call(*a))
+    monkeypatch.setattr(cpu_kernels, "rope_write_paged_attention_cpu", lambda *a, **kw: calls.append(1) or fused_call(*a, **kw))
     engine = LLMEngine(None, weights="float32", **KWARGS)
     fused = _first_logprobs(engine, PROMPTS[:3])
     layers = engine.config.model_config.num_layers

@@ -6,12 +6,14 @@ past its length after a step."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
 from kernel_lab.engine.block_manager import chain_hash
-from kernel_lab.engine.speculative import DraftPosition, NoSpeculation, Speculator
+from kernel_lab.engine.speculative import PROBE_INTERVAL, DraftPosition, NoSpeculation, Speculator, next_draft_len
 from kernel_lab.engine.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reference_only")
@@ -75,6 +77,8 @@ def _assert_tight(engine) -> None:
     and the prefix cache holds only computed blocks of real tokens (no rejected draft entered it)."""
     bm, bs = engine.block_manager, engine.block_manager.block_size
     assert not any(seq.draft_token_ids for seq in engine.scheduler.waiting)     # preempted: drafts dropped
+    # per-sequence draft lengths: at most one per sequence that ran this step (they are not a leak)
+    assert len(getattr(engine.speculator, "draft_len", {})) <= engine.config.max_num_seqs
     for seq in engine.scheduler.running:
         assert not seq.draft_token_ids
         assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), seq.seq_id
@@ -105,6 +109,8 @@ def _run(engine, prompts, params, k: int | None, abort=None) -> dict:
             if abort is not None:
                 abort(engine, steps)
         _assert_idle(engine)
+        engine.speculator.propose([])      # the next step's proposal forgets every finished sequence
+        assert not getattr(engine.speculator, "draft_len", {})
     finally:    # a failed check leaves the module's engine clean for the next test
         for rid in list(engine.requests):
             engine.abort_request(rid)
@@ -256,3 +262,53 @@ def test_identical_under_preemption_and_a_short_token_budget(engine, budget):
     spec = _run(small, prompts, params, 4)
     assert small.scheduler.num_preemptions > before and small.speculator.num_accepted_tokens > 0
     assert _tokens(spec) == _tokens(base)
+
+
+@pytest.mark.parametrize("k,drafted,accepted,expected", [
+    (4, 4, 4, 4), (3, 3, 3, 4), (2, 1, 1, 3),     # all accepted: one more, up to k_max = 4
+    (4, 4, 0, 2), (2, 2, 0, 1), (1, 1, 0, 0),     # none accepted: half
+    (4, 4, 2, 3), (4, 3, 1, 2)])                  # some: one more than were accepted
+def test_draft_length_rule(k, drafted, accepted, expected):
+    assert next_draft_len(k, 4, drafted, accepted) == expected
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting_then_probes(engine):
+    """Drive the Speculator's state by hand on a sequence whose n-grams always match: at k = 0 it proposes
+    nothing for PROBE_INTERVAL of its steps, then probes with one draft; a full accept grows k by one, a
+    miss halves it, and a sequence that is no longer running is forgotten."""
+    s = _speculator(engine, 4)
+    tokens = [5, 6, 7] * 4
+    seq = SimpleNamespace(seq_id=7, params=SamplingParams(max_tokens=40, temperature=0), matcher=None,
+                          token_ids=tokens, num_tokens=len(tokens), num_computed_tokens=len(tokens) - 1,
+                          num_output_tokens=0, draft_token_ids=[])
+    s.propose([seq])
+    assert seq.draft_token_ids == [5, 6, 7, 5]                    # a new sequence starts at k_max
+    s.draft_len[seq.seq_id] = (0, PROBE_INTERVAL)
+    for _ in range(PROBE_INTERVAL):
+        s.propose([seq])
+        assert seq.draft_token_ids == []
+    assert s.draft_len[seq.seq_id] == (1, 0)
+    s.propose([seq])
+    assert seq.draft_token_ids == [5]                             # the probe
+    s.propose([])
+    assert seq.seq_id not in s.draft_len
+
+
+def test_verify_sets_the_next_draft_length(engine):
+    """verify() feeds next_draft_len: a miss at the first draft halves k, a full accept grows it again."""
+    from kernel_lab.engine.sampler import SampleResult
+    s = _speculator(engine, 4)
+    seq = SimpleNamespace(seq_id=3, draft_token_ids=[5, 6, 7, 5], num_accepted_drafts=0)
+
+    def verify(tokens):
+        rows = [SampleResult(DraftPosition(seq, i), t) for i, t in enumerate(tokens)]
+        out, failed = s.verify(rows, [])
+        assert not failed
+        return [r.token_id for r in out]
+
+    assert verify([9, 6, 7, 5, 1]) == [9] and s.draft_len[3] == (2, 0)
+    seq.draft_token_ids = [5, 6]
+    assert verify([5, 6, 1]) == [5, 6, 1] and s.draft_len[3] == (3, 0)
+    seq.draft_token_ids = [5]
+    assert verify([2, 1]) == [2] and s.draft_len[3] == (1, 0)
+    assert verify([2, 1]) == [2] and s.draft_len[3] == (0, PROBE_INTERVAL)
