@@ -136,10 +136,11 @@ class Speculator:
     def propose(self, running) -> None:
         c = self.config
         live = {}
+        off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
         for seq in running:
             seq.draft_token_ids = []
             k, wait = live[seq.seq_id] = self.draft_len.get(seq.seq_id, (c.num_speculative_tokens, 0))
-            if not self.eligible(seq):
+            if off or not self.eligible(seq):
                 continue
             if k == 0:
                 live[seq.seq_id] = (0, wait - 1) if wait > 1 else (1, 0)

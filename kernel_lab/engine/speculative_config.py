@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16      # ops.rejection_sample's bound on drafts per sequence
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+         "model")
 
 
 def _positive_int(raw: dict, key: str) -> int | None:
@@ -26,6 +27,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    # vLLM's: no drafts in a step with more running sequences than this (None: never off). On a CPU a step's
+    # cost grows with its rows once the batch is compute-bound, and extra draft rows stop paying there.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -64,4 +68,4 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo)
+        return cls(method, k, hi, lo, _positive_int(value, "disable_by_batch_size"))

@@ -312,3 +312,17 @@ def test_verify_sets_the_next_draft_length(engine):
     seq.draft_token_ids = [5]
     assert verify([2, 1]) == [2] and s.draft_len[3] == (1, 0)
     assert verify([2, 1]) == [2] and s.draft_len[3] == (0, PROBE_INTERVAL)
+
+
+def test_no_drafts_in_a_step_with_more_running_than_disable_by_batch_size(engine):
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                 "disable_by_batch_size": 2})
+    s = Speculator(c, engine.config.max_model_len)
+    tokens = [5, 6, 7] * 4
+    seqs = [SimpleNamespace(seq_id=i, params=SamplingParams(max_tokens=40, temperature=0), matcher=None,
+                            token_ids=tokens, num_tokens=len(tokens), num_computed_tokens=len(tokens) - 1,
+                            num_output_tokens=0, draft_token_ids=[]) for i in range(3)]
+    s.propose(seqs)
+    assert all(seq.draft_token_ids == [] for seq in seqs) and len(s.draft_len) == 3
+    s.propose(seqs[:2])
+    assert all(seq.draft_token_ids == [5, 6] for seq in seqs[:2])

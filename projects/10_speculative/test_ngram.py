@@ -22,6 +22,9 @@ def test_config_parses_vllm_json_and_dicts():
                                    ).prompt_lookup_min == 3
     d = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
     assert (d.prompt_lookup_min, d.prompt_lookup_max) == (5, 5)
+    assert d.disable_by_batch_size is None
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+                                   ).disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize("value, names", [
@@ -36,6 +39,7 @@ def test_config_parses_vllm_json_and_dicts():
     ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
 ])
