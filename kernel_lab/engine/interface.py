@@ -29,6 +29,7 @@ class EngineStats(TypedDict):
     weight_bytes: NotRequired[int]     # bytes of weights one decode step reads
     resident_weight_bytes: NotRequired[int]
     spec_decode: NotRequired[dict]     # with --speculative-config: Speculator.counters() (vLLM's spec_decode_*)
+    lora_requests: NotRequired[dict]   # with enable_lora: {"running"|"waiting": {adapter name: requests}, "max_lora"}
 
 
 class ServedModel(Protocol):

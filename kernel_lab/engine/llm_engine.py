@@ -139,12 +139,12 @@ class LLMEngine(LoRAEngineCalls):
     # ------------------------------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        running = len({seq.request.request_id for seq in self.scheduler.running})   # requests, as vLLM counts
+        running = {seq.request.request_id for seq in self.scheduler.running}   # requests, as vLLM counts
         return EngineStats(
-            num_running=running, num_waiting=len(self.requests) - running,
+            num_running=len(running), num_waiting=len(self.requests) - len(running),
             kv_cache_blocks_total=bm.num_blocks, kv_cache_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             weights=self.config.weights, weight_bytes=self.runner.model.decode_weight_bytes(),
             resident_weight_bytes=self.runner.model.resident_weight_bytes(), **self.speculator.stats_fields(),
-        )
+            **self.lora_stats_fields(running))

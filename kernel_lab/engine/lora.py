@@ -421,6 +421,19 @@ class LoRAEngineCalls:
     def list_loras(self) -> set[int]:
         return set() if self.lora is None else set(self.lora.adapters)
 
+    def lora_stats_fields(self, running_request_ids: set[str]) -> dict:
+        """`stats()["lora_requests"]`: unfinished requests per adapter name, running and waiting (vLLM's
+        lora_requests_info gauge reads the same), and max_loras; {} without LoRA."""
+        if self.lora is None:
+            return {}
+        counts = {"running": {}, "waiting": {}}
+        for request_id, request in self.requests.items():
+            adapter = getattr(request, "lora_request", None)
+            if adapter is not None:
+                state = counts["running" if request_id in running_request_ids else "waiting"]
+                state[adapter.lora_name] = state.get(adapter.lora_name, 0) + 1
+        return {"lora_requests": {**counts, "max_lora": self.lora.max_loras}}
+
 
 def prefix_root(seq) -> tuple[str, int] | None:
     """The parent of a sequence's first block hash: blocks computed under an adapter are its own."""

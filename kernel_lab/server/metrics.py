@@ -168,6 +168,7 @@ class ServerMetrics:
                 "e2e_count": self.e2e.count,
                 "itl_count": self.itl.count,
                 "spec_decode": stats.get("spec_decode"),
+                "lora_requests": stats.get("lora_requests"),
             }
 
     def render(self, extra_gauges: dict[str, tuple[str, float]] | None = None) -> str:
@@ -252,6 +253,15 @@ class ServerMetrics:
                    "Draft tokens accepted, by position in the draft (0: the first).",
                    [("_total", model | {"position": str(i)}, v)
                     for i, v in enumerate(spec["num_accepted_tokens_per_pos"])])
+        lora = snap["lora_requests"]
+        if lora is not None:    # with --enable-lora: vLLM's info gauge (its value: the time of the reading)
+            family("lora_requests_info", "gauge", "Adapters of the running and the waiting requests.",
+                   [("", model | {"running_lora_adapters": ",".join(sorted(lora["running"])),
+                                  "waiting_lora_adapters": ",".join(sorted(lora["waiting"])),
+                                  "max_lora": str(lora["max_lora"])}, time.time())])
+            for state in ("running", "waiting"):
+                family(f"lora_requests_{state}", "gauge", f"Requests {state}, by adapter.",
+                       [("", model | {"lora_name": name}, n) for name, n in sorted(lora[state].items())])
         for name, (help_text, value) in (extra_gauges or {}).items():
             gauge(name, help_text, value)
         with self.lock:

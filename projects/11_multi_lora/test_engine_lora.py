@@ -201,6 +201,33 @@ def test_lru_eviction_with_fewer_slots_than_adapters(setup):
     assert len(manager.lru) == 2 and not manager.seq_slots
 
 
+def test_requests_per_adapter_in_stats_and_metrics(setup):
+    """stats()["lora_requests"] counts unfinished requests per adapter, running and waiting, and /metrics
+    exports them (vLLM's lora_requests_info and a gauge per adapter); a finished request leaves no count."""
+    from kernel_lab.server.metrics import ServerMetrics
+
+    checkpoint, _, adapters, _ = setup
+    llm = LLM(str(checkpoint), max_loras=2, **{**ENGINE, "max_num_seqs": 2})
+    engine = llm.engine
+    assert "lora_requests" not in LLM(str(checkpoint), **{**ENGINE, "enable_lora": False}).engine.stats()
+    for i, name in enumerate(("r8", "r8", "r32", None)):
+        ids = llm.tokenizer.encode(OTHER, add_special_tokens=True)
+        engine.add_request(str(i), ids, PARAMS, lora_request=adapters[name][0] if name else None)
+    engine.step()
+    lora = engine.stats()["lora_requests"]
+    assert lora["max_lora"] == 2
+    assert lora["running"] == {"r8": 2} and lora["waiting"] == {"r32": 1}, lora
+    metrics = ServerMetrics("m")
+    metrics.on_step(engine.stats())
+    text = metrics.render()
+    assert 'kernel_lab_lora_requests_running{model_name="m",lora_name="r8"} 2' in text
+    assert 'kernel_lab_lora_requests_waiting{model_name="m",lora_name="r32"} 1' in text
+    assert 'running_lora_adapters="r8",waiting_lora_adapters="r32",max_lora="2"' in text
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["lora_requests"] == {"running": {}, "waiting": {}, "max_lora": 2}
+
+
 def test_peft_built_adapter(setup, tmp_path):
     """An adapter made and saved by peft itself, merged by peft's merge_and_unload for the reference."""
     peft = pytest.importorskip("peft")
