@@ -326,3 +326,36 @@ def test_no_drafts_in_a_step_with_more_running_than_disable_by_batch_size(engine
     assert all(seq.draft_token_ids == [] for seq in seqs) and len(s.draft_len) == 3
     s.propose(seqs[:2])
     assert all(seq.draft_token_ids == [5, 6] for seq in seqs[:2])
+
+
+def test_structured_outputs_stay_valid_beside_speculating_requests(engine):
+    """A JSON-schema and a regex request in a speculating batch: no draft is proposed for them (no grammar
+    rollback yet), their outputs are valid and equal those without speculation, and the plain requests beside
+    them still speculate."""
+    import json
+    import re
+
+    pytest.importorskip("xgrammar")
+    from kernel_lab.engine.structured_output import make_spec, parse_structured_output
+
+    schema = {"type": "object", "properties": {"count": {"type": "integer"}, "word": {"type": "string",
+              "maxLength": 8}}, "required": ["count", "word"], "additionalProperties": False}
+    pattern = r"(ab ){2,5}done"
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=parse_structured_output(
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                              "strict": True}}})),
+              SamplingParams(max_tokens=40, temperature=0, structured_outputs=make_spec("regex", pattern, "regex")),
+              GREEDY[0]]
+    prompts = BASE[:6]
+    base = _run(engine, prompts, params, None)
+    spec = _run(engine, prompts, params, 3)
+    assert engine.speculator.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(base)
+    for i, out in spec.items():
+        text = out.outputs[0].text
+        kind = int(i[1:]) % len(params)
+        if kind == 0:
+            value = json.loads(text)
+            assert set(value) == {"count", "word"} and isinstance(value["count"], int), text
+        elif kind == 1:
+            assert re.fullmatch(pattern, text), text
