@@ -276,6 +276,10 @@ def run_bench_throughput(args) -> int:
         summary["decode_steps"] = decode_step_summary(result["decode_step_seconds"])
     if "stats" in result:
         summary["engine_stats"] = result["stats"]
+        if "spec_decode" in result["stats"]:
+            from kernel_lab.engine.speculative import acceptance_summary
+
+            summary["spec_decode"] = acceptance_summary(result["stats"]["spec_decode"])
     if "llama_cpp" in result:
         summary["llama_cpp"] = result["llama_cpp"]
     if "cpu_kernels" in result:
@@ -284,6 +288,10 @@ def run_bench_throughput(args) -> int:
           f"total tokens/s, {summary['output_tokens_per_second']:.2f} output tokens/s "
           f"({args.backend}, {len(workload)} prompts, concurrency {args.max_num_seqs}, {result['device']} "
           f"{result['dtype']}, {result.get('threads')} thread(s), {elapsed:.1f} s)")
+    if "spec_decode" in summary:
+        spec = summary["spec_decode"]
+        print(f"Speculative decoding: acceptance rate {spec['acceptance_rate']}, mean acceptance length "
+              f"{spec['mean_acceptance_length']}, per position {spec['acceptance_per_position']}")
     if args.output_json:
         from kernel_lab.harness.env import environment_record
 

@@ -88,6 +88,16 @@ class NoSpeculation:
         return {}
 
 
+def acceptance_summary(counters: dict) -> dict:
+    """Speculator.counters() -> the figures vLLM's logs give: the draft acceptance rate, the mean tokens a
+    verify emits (accepted drafts + 1) and the acceptance rate per draft position."""
+    drafts, proposed = counters["num_drafts"], counters["num_draft_tokens"]
+    return {"acceptance_rate": counters["num_accepted_tokens"] / proposed if proposed else None,
+            "mean_acceptance_length": 1 + counters["num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance_per_position": [n / drafts if drafts else None
+                                        for n in counters["num_accepted_tokens_per_pos"]]}
+
+
 def make_speculator(config: SpeculativeConfig | None, max_model_len: int):
     return NoSpeculation() if config is None else Speculator(config, max_model_len)
 

@@ -56,6 +56,21 @@ def test_bench_throughput_writes_json(reference_only, tmp_path, capsys):
         assert key in summary
 
 
+def test_bench_throughput_reports_acceptance_with_speculation(reference_only, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--num-prompts", "2", "--input-len", "12", "--output-len", "6",
+                 "--max-num-seqs", "2", "--dtype", "float32", "--device", "cpu", "--output-json", str(path),
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+                 ]) == 0
+    out, _ = capsys.readouterr()
+    summary = json.loads(path.read_text())
+    counters, spec = summary["engine_stats"]["spec_decode"], summary["spec_decode"]
+    assert "Speculative decoding: acceptance rate" in out
+    assert len(spec["acceptance_per_position"]) == 2
+    if counters["num_draft_tokens"]:
+        assert spec["acceptance_rate"] == counters["num_accepted_tokens"] / counters["num_draft_tokens"]
+
+
 def test_cpu_step_floor_writes_a_consistent_record(reference_only, tmp_path):
     """The script behind the README's "decode step vs its projections" figures, at toy sizes, for both weight
     layouts: the projections are part of the step (share in (0, 1]) and the workload bound is the
