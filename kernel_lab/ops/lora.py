@@ -15,7 +15,8 @@ Two row layouts, one kernel per step: *BGMV* (`row_adapters` [T]: one adapter in
 and reads its adapter's A and B once. The design and the traffic model: projects/11_multi_lora/README.md.
 
 Dispatch: CUDA tensors (and CPU tensors under TRITON_INTERPRET=1) run the Triton kernels; CPU tensors run
-`_shrink_cpu` / `_expand_cpu`: one matmul per adapter present (per segment in SGMV), in fp32.
+`_shrink_cpu` / `_expand_cpu`: one matmul per adapter present (per segment in SGMV), in fp32; a BGMV map is
+grouped once per distinct map (a step's 120 projections share one), and each adapter's delta lands in one update.
 """
 
 from __future__ import annotations
@@ -240,18 +241,34 @@ def _expand_triton(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -
 
 
 # --------------------------------------------------------------------------------------------- CPU path
+# The engine passes one row map to every projection of a step (120 calls on a 30-layer model): its groups are
+# found once per map, not once per call. Keyed by a copy of the map's values (a static buffer refilled in
+# place must not find the previous step's groups).
+_row_groups_memo: list = [None, ()]
+
+
+def _row_groups(row_adapters: torch.Tensor) -> tuple:
+    memo = _row_groups_memo
+    if memo[0] is not None and memo[0].shape == row_adapters.shape and torch.equal(memo[0], row_adapters):
+        return memo[1]
+    idx = row_adapters.long()
+    groups = []
+    for adapter in torch.unique(idx).tolist():
+        if adapter >= 0:
+            rows = torch.nonzero(idx == adapter).flatten()
+            # every row on one adapter: a slice, so x[rows] is a view and y is updated in place
+            groups.append((adapter, slice(0, len(idx)) if len(rows) == len(idx) else rows))
+    memo[:] = [row_adapters.clone(), tuple(groups)]
+    return memo[1]
+
+
 def _cpu_groups(row_adapters, segments):
     """(adapter, rows) pairs for the adapted rows: a slice per SGMV segment, an index per adapter in BGMV."""
     if segments is not None:
-        for start, length, adapter in zip(segments.starts.tolist(), segments.lengths.tolist(),
-                                          segments.adapters.tolist()):
-            if adapter >= 0 and length > 0:
-                yield adapter, slice(start, start + length)
-        return
-    idx = row_adapters.long()
-    for adapter in torch.unique(idx).tolist():
-        if adapter >= 0:
-            yield adapter, torch.nonzero(idx == adapter).flatten()
+        return [(adapter, slice(start, start + length)) for start, length, adapter in
+                zip(segments.starts.tolist(), segments.lengths.tolist(), segments.adapters.tolist())
+                if adapter >= 0 and length > 0]
+    return _row_groups(row_adapters)
 
 
 def _shrink_cpu(x, lora_a, h, row_adapters, segments) -> None:
@@ -261,12 +278,21 @@ def _shrink_cpu(x, lora_a, h, row_adapters, segments) -> None:
 
 
 def _expand_cpu(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -> None:
+    """One delta [rows, N] per adapter (its slices side by side), added to y's rows in one update: fp32 y
+    gets y + delta rounded once, as the per-slice form did."""
     R = lora_b.shape[2]
+    pairs = list(zip(slice_offsets, slice_offsets[1:]))
     for adapter, rows in _cpu_groups(row_adapters, segments):
         hs = h[rows].float() * float(scale[adapter])
-        for s, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
-            delta = hs[:, s * R:(s + 1) * R] @ lora_b[adapter, lo:hi].float().t()
-            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
+        b = lora_b[adapter].float()
+        parts = [hs[:, s * R:(s + 1) * R] @ b[lo:hi].t() for s, (lo, hi) in enumerate(pairs)]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if y.dtype == torch.float32 and isinstance(rows, torch.Tensor):
+            y.index_add_(0, rows, delta)
+        elif y.dtype == torch.float32:
+            y[rows] += delta
+        else:
+            y[rows] = (y[rows].float() + delta).to(y.dtype)
 
 
 # --------------------------------------------------------------------------------------------- validation

@@ -154,6 +154,23 @@ def test_all_rows_on_one_adapter(path, layout, rows):
     check(y, before, expected, per_row.long(), dtype, f"{layout} rows={rows}")
 
 
+def test_a_row_map_refilled_in_place_is_grouped_again(monkeypatch):
+    """The CPU path groups a row map once and reuses it while the map's values stay the same: a static
+    buffer refilled in place (the padded decode batch's) must be grouped again."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lora_a, lora_b, scale = make_weights(16, torch.float32, "cpu", 5)
+    rows = torch.tensor(ROW_ADAPTERS, dtype=torch.int32)
+    x = randn((rows.shape[0], K), torch.float32, "cpu", 6)
+    for refill in (None, [4, -1, 0, 0, 2, 2, 4, -1, 0, 2, 2, 4], None):
+        if refill is not None:
+            rows.copy_(torch.tensor(refill, dtype=torch.int32))
+        y = base_output(rows, sum(WIDTHS), torch.float32, "cpu", 7)
+        before = y.clone()
+        expected = lora_reference(before, x, lora_a, lora_b, scale, offsets_of(WIDTHS), rows.clone())
+        add_lora(y, x, lora_a, lora_b, scale, offsets_of(WIDTHS), row_adapters=rows)
+        check(y, before, expected, rows.clone(), torch.float32, f"map {rows.tolist()}")
+
+
 @pytest.mark.parametrize("layout", ["bgmv", "sgmv"])
 def test_int64_indices(path, layout):
     seed = case_seed("int64", layout)
