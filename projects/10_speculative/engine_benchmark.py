@@ -122,6 +122,7 @@ def main(argv=None) -> int:
                         help="speculative_config.disable_by_batch_size (default: unset, as vLLM's)")
     parser.add_argument("--weights", default="auto", help="the engine's --weights (auto: the bundled GGUF)")
     parser.add_argument("--out", default=None, help="results directory for the record (e.g. results)")
+    parser.add_argument("--note", default="", help="appended to the record's description (e.g. machine load)")
     args = parser.parse_args(argv)
 
     import torch
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
                     f"draft length, disable_by_batch_size {args.disable_by_batch_size}; workloads rewrite (code in "
                     "the prompt), quote (passage in the prompt), chat; "
                     f"{args.reps} alternating repetitions per point. Metric: ms per output token over a point's "
-                    "wall clock. Baseline: the same engine without speculation, same run.")
+                    "wall clock. Baseline: the same engine without speculation, same run. " + args.note)
     method = {"kind": "wall clock per point / output tokens", "reps": args.reps, "alternating": True}
     headline = {}
     for p in points:

@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=None, help="results directory for the record (e.g. results)")
+    parser.add_argument("--note", default="", help="appended to the record's description (e.g. machine load)")
     args = parser.parse_args(argv)
 
     import torch
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                     f"all seven projections, {args.threads} thread(s); per concurrency c, 2c requests of "
                     f"{args.input_len} random prompt ids + {args.output_len} greedy tokens (EOS ignored), "
                     "round-robin over the point's adapters; baseline: the same workload on an engine without "
-                    f"--enable-lora, same run, alternating; {args.reps} repetitions.")
+                    f"--enable-lora, same run, alternating; {args.reps} repetitions. " + args.note)
     method = {"kind": "wall clock per point / output tokens", "reps": args.reps, "alternating": True}
     headline = {}
     for c in args.concurrency:
