@@ -15,7 +15,7 @@ from kernel_lab.models.attention import AttentionMetadata, LayerKVCache, Prefill
 from kernel_lab.models.layers.linear import QuantizedLinear
 from kernel_lab.ops.cpu_kernels import KV_FORMATS, load_library
 from kernel_lab.ops.gguf_linear import kernel_threads
-from kernel_lab.ops.kv_cache import SCALED_DTYPES, check_slot_values
+from kernel_lab.ops.kv_cache import SCALED_DTYPES, check_slot_values, scale_shape
 from kernel_lab.ops.paged_attention import check_table_values
 
 from .config import EngineConfig
@@ -89,9 +89,9 @@ class ModelRunner:
         self.k_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.kv_scales = None
-        if cache_dtype in SCALED_DTYPES:  # fp8, int8: a float32 scale per (page, KV head), zeroed when handed out
-            self.kv_scales = torch.zeros((c.num_layers, 2, self.num_blocks, c.num_kv_heads), dtype=torch.float32,
-                                         device=self.device)
+        if cache_dtype in SCALED_DTYPES:  # float32 scales per (page, KV head) for fp8, (token, KV head) for int8
+            shape = scale_shape(cache_dtype, self.num_blocks, self.block_size, c.num_kv_heads)
+            self.kv_scales = torch.zeros((c.num_layers, 2, *shape), dtype=torch.float32, device=self.device)
         self.layer_caches = [
             LayerKVCache(self.k_cache[i], self.v_cache[i],
                          None if self.kv_scales is None else self.kv_scales[i, 0],

@@ -57,7 +57,8 @@ class AttentionMetadata:
 class LayerKVCache:
     k_cache: torch.Tensor                 # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    k_scale: torch.Tensor | None = None   # fp8 and int8 only: float32 [num_blocks, num_kv_heads]
+    # fp8: float32 [num_blocks, num_kv_heads] (per page); int8: [num_blocks, block_size, num_kv_heads] (per token)
+    k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +66,10 @@ class LayerKVCache:
         block_size = self.k_cache.shape[1]
         k = self.k_cache.flatten(0, 1)[slots]
         v = self.v_cache.flatten(0, 1)[slots]
-        if self.k_scale is not None:
+        if self.k_scale is not None and self.k_cache.dtype == torch.int8:  # a scale per token
+            k = dequantize_pages(k, self.k_scale.flatten(0, 1)[slots][..., None])
+            v = dequantize_pages(v, self.v_scale.flatten(0, 1)[slots][..., None])
+        elif self.k_scale is not None:  # fp8: a scale per page
             blocks = slots // block_size
             k = dequantize_pages(k, self.k_scale[blocks][..., None])
             v = dequantize_pages(v, self.v_scale[blocks][..., None])

@@ -1,4 +1,4 @@
-"""Paged KV cache: allocation, `write_kv`, and the page-scale policy of FP8 E4M3 and int8 pages (projects 04, 05).
+"""Paged KV cache: allocation, `write_kv`, and the scales of FP8 E4M3 and int8 pages (projects 04, 05; issue 35).
 
 Contract (shared with the engine)
 ---------------------------------
@@ -8,28 +8,36 @@ Contract (shared with the engine)
   dimensions are dense (strides `(H*D, D, 1)`); the block stride may be larger (e.g. views of one
   `[num_blocks, 2, block_size, H, D]` allocation). Dtype fp16, bf16, fp32, `torch.float8_e4m3fn`, or
   `torch.int8` (CPU only: no CUDA kernel reads int8 pages).
-- FP8 and int8 caches (SCALED_DTYPES) carry `k_scale`, `v_scale`: float32 `[num_blocks, num_kv_heads]`,
-  contiguous, one scale per page and KV head. A stored element means `float(fp8) * scale`, or for int8
-  `code * scale` with codes in [-127, 127] and -128 meaning NaN. A fresh cache has every scale at 0.0: the
-  page holds no data yet.
+- FP8 and int8 caches (SCALED_DTYPES) carry `k_scale`, `v_scale`, float32 and contiguous (`scale_shape`):
+  fp8 `[num_blocks, num_kv_heads]`, one scale per page and KV head (shared with the CUDA kernels); int8
+  `[num_blocks, block_size, num_kv_heads]`, one scale per token and KV head. A stored element means
+  `float(fp8) * scale`, or for int8 `code * scale` with codes in [-127, 127] and -128 meaning NaN. A fresh
+  cache has every scale at 0.0: the page holds no data yet.
 - `write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`: key/value
   `[tokens, num_kv_heads, head_dim]` in the cache's dtype (any float dtype for fp8; float32 also into
   fp16/bf16 CPU pages, rounded to nearest even); `slot_mapping` int64 `[tokens]` = `block * block_size +
   offset`; a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
 
-Write policy (both scaled formats): every page scale `write_kv` writes is the smallest power of two >= amax /
-CODE_MAX (448 for fp8, 127 for int8; at least 2**-126) over everything the page and head has received; a
-page whose scale grows is requantised once. In any write order, fp8 holds
-`|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9`; int8 holds `<= scale / 2` for elements quantised
-at the page's current scale and `< scale` for any element (each requantisation errs by at most half of its
-new scale, and scales at least double per growth: s/2 + s/4 + ... < s). The policy step by step and why the
-fp8 bound holds: projects/05_fp8_kv/README.md.
+int8 write (issue 35; llama.cpp's q8_0 idea): each token's row of each KV head is quantised once, with its own
+scale `s = amax / 127` over the row's finite elements (one float32 division, at least 2**-126; 0 for a row
+without any) and codes `round(x / s)`, nearest even: `|x - code * s| <= s / 2` (up to float32's rounding of
+the division and the product), whatever was written before or after. Nothing is requantised, so one row
+(a later token, a rejected speculative draft) never moves another's codes. Why not per page: on SmolLM2 a
+page's scale follows its largest row, and the first (attention-sink) token, whose V rows are a third of
+their page's, kept a few bits and took most of the attention weight (projects/09_engine/README.md).
+The scales cost 8 bytes per token and KV head against 2 * head_dim code bytes (6.25% at head_dim 64).
+
+fp8 write policy (project 05's, as the CUDA kernels write it): every page scale `write_kv` writes is the
+smallest power of two >= amax / 448 (at least 2**-126) over everything the page and head has received; a page
+whose scale grows is requantised once. In any write order fp8 holds
+`|x - dequant(quant(x))| <= 2**-4 * |x| + scale * 2**-9`. The policy step by step and why the bound holds:
+projects/05_fp8_kv/README.md.
 Pages whose scale was set outside `write_kv` to a non-power-of-two keep working (the scale never shrinks),
 but the bound is only guaranteed for scales `write_kv` manages.
 Non-finite inputs (both paths alike, tested): NaN and +-inf take no part in a scale (amax is over the finite
 elements only, so one bad token cannot blow up or zero a page's scale); a NaN is stored as NaN (int8: the
-code -128) and stays NaN through requantisation; +-inf saturates to +-448 * scale (int8: +-127 * scale), like
-E4M3's SATFINITE conversion.
+code -128) and an fp8 NaN stays NaN through requantisation; +-inf saturates to +-448 * scale (int8: +-127 *
+scale), like E4M3's SATFINITE conversion.
 
 Dispatch: CPU tensors always take the PyTorch reference below (with validation); CUDA tensors run the
 CUDA C++ kernels of `kernel_lab/csrc/kv_cache.cu` (fp16/bf16/fp32 input; any cache dtype of the contract but
@@ -38,6 +46,8 @@ another: this reference called once per token, bit for bit.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -51,16 +61,28 @@ MIN_FP8_SCALE = 2.0 ** -126  # smallest normal fp32: keeps `fp8 * scale` exact
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)  # the CUDA kernels' head_dim instantiations; the CPU paths take any
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE, torch.int8)
-# Page formats with a float32 scale per (page, KV head), and the largest magnitude of each one's codes.
+# Page formats with float32 scales (fp8: per page and KV head; int8: per token and KV head), and the largest
+# magnitude of each one's codes.
 SCALED_DTYPES = (FP8_DTYPE, torch.int8)
 CODE_MAX = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
+
+
+def scale_shape(dtype: torch.dtype, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The shape of a scaled cache's `k_scale`/`v_scale`: fp8 one per (page, KV head), int8 one per (token, KV head)."""
+    return (num_blocks, block_size, num_kv_heads) if dtype == torch.int8 else (num_blocks, num_kv_heads)
+
+
+def element_scales(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`scale` viewed to broadcast against pages `[blocks, block_size, num_kv_heads, head_dim]` (or the same
+    blocks of them: `scale[blocks]`)."""
+    return scale[..., None] if dtype == torch.int8 else scale[:, None, :, None]
 
 
 # --------------------------------------------------------------------------------------------- allocation
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device | str = "cpu"):
     """A zeroed paged cache: returns (k_cache, v_cache, k_scale, v_scale); scales are None unless fp8 or
-    int8, where they are float32 zeros `[num_blocks, num_kv_heads]` (every page empty)."""
+    int8, where they are float32 zeros of `scale_shape` (every page empty)."""
     if dtype not in CACHE_DTYPES:
         raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
@@ -73,15 +95,17 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     v_cache = torch.zeros(shape, dtype=dtype, device=device)
     if dtype not in SCALED_DTYPES:
         return k_cache, v_cache, None, None
-    k_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
-    v_scale = torch.zeros((num_blocks, num_kv_heads), dtype=torch.float32, device=device)
+    k_scale = torch.zeros(scale_shape(dtype, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
+    v_scale = torch.zeros_like(k_scale)
     return k_cache, v_cache, k_scale, v_scale
 
 
 def kv_cache_bytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of K and V (plus the two float32 scale tables for fp8 and int8) of a paged cache."""
     data = 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
-    return data + (2 * num_blocks * num_kv_heads * 4 if dtype in SCALED_DTYPES else 0)
+    if dtype not in SCALED_DTYPES:
+        return data
+    return data + 2 * 4 * math.prod(scale_shape(dtype, num_blocks, block_size, num_kv_heads))
 
 
 def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -94,22 +118,33 @@ def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: t
     (page, KV head) it lands on (2 * pages * num_kv_heads float32) to quantise with. That is a write whose
     scales already cover its data (a decode step's append in the steady state). Not counted, as it depends
     on the data: a page whose scale grows is rewritten once (its block_size * head_dim bytes per KV head
-    read and written, its new scale stored), and a slot of -1 costs its 8 slot bytes only."""
+    read and written, its new scale stored), and a slot of -1 costs its 8 slot bytes only. An int8 write
+    stores each row's own K and V scale instead (2 * tokens * num_kv_heads float32) and `pages` is unused."""
     rows = 2 * tokens * num_kv_heads * head_dim
-    scales = 2 * pages * num_kv_heads * 4 if cache_dtype in SCALED_DTYPES else 0
+    scales = 0
+    if cache_dtype in SCALED_DTYPES:
+        scales = 2 * (tokens if cache_dtype == torch.int8 else pages) * num_kv_heads * 4
     return rows * (dtype.itemsize + cache_dtype.itemsize) + 8 * tokens + scales
 
 
 # --------------------------------------------------------------------------------------------- scaled pages
 def pow2_scale(amax: torch.Tensor, code_max: float = FP8_MAX) -> torch.Tensor:
-    """The smallest power of two >= amax / code_max (float32, at least MIN_FP8_SCALE); 0 where amax is 0.
+    """The smallest power of two >= amax / code_max (float32, at least MIN_FP8_SCALE); 0 where amax is 0: fp8's
+    page scale.
 
-    Bit-identical to the CUDA kernel (fp8) and csrc/cpu/kv_int8.h (int8, code_max 127): `amax / code_max`
-    rounds once (IEEE division), then the mantissa is rounded up to the next power of two."""
+    Bit-identical to the CUDA kernel and csrc/cpu/kv_int8.h: `amax / code_max` rounds once (IEEE division),
+    then the mantissa is rounded up to the next power of two."""
     ratio = amax.float() / code_max
     mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
     scale = torch.ldexp(torch.ones_like(ratio), exponent).clamp_min(MIN_FP8_SCALE)
+    return torch.where(amax > 0, scale, torch.zeros_like(scale))
+
+
+def int8_token_scale(amax: torch.Tensor) -> torch.Tensor:
+    """An int8 row's own scale: amax / 127 (float32, one IEEE division, at least MIN_FP8_SCALE); 0 where amax
+    is 0. Bit-identical to csrc/cpu/kv_int8.h."""
+    scale = (amax.float() / INT8_MAX).clamp_min(MIN_FP8_SCALE)
     return torch.where(amax > 0, scale, torch.zeros_like(scale))
 
 
@@ -200,11 +235,14 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
                                  f"the cache is {k_cache.dtype}")
             continue
         if s is None:
-            raise ValueError(f"{name} is required with a {k_cache.dtype} cache "
-                             "(float32 [num_blocks, num_kv_heads])")
-        check_tensor(name, s, dtypes=(torch.float32,), ndim=2)
-        if tuple(s.shape) != (num_blocks, heads):
-            raise ValueError(f"{name} must have shape {(num_blocks, heads)}, got {tuple(s.shape)}")
+            per_token = k_cache.dtype == torch.int8
+            raise ValueError(f"{name} is required with a {k_cache.dtype} cache (float32 [num_blocks, "
+                             f"{'block_size, ' if per_token else ''}num_kv_heads])")
+        shape = scale_shape(k_cache.dtype, num_blocks, block_size, heads)
+        check_tensor(name, s, dtypes=(torch.float32,), ndim=len(shape))
+        if tuple(s.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (one scale per "
+                             f"{'token' if k_cache.dtype == torch.int8 else 'page'} and KV head), got {tuple(s.shape)}")
         if not s.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {s.stride()}")
     return num_blocks, block_size, heads, head_dim
@@ -243,8 +281,13 @@ def check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: i
 # --------------------------------------------------------------------------------------------- reference
 def _write_scaled_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
                             offsets: torch.Tensor) -> None:
-    """Apply the page-scale policy (module docstring) for one of K or V into fp8 or int8 pages; tokens already
-    filtered to valid."""
+    """Write one of K or V into fp8 pages under the page-scale policy, or into int8 pages with each row's own
+    scale (module docstring); tokens already filtered to valid."""
+    if cache.dtype == torch.int8:
+        row_scale = int8_token_scale(finite_amax(x))                            # [tokens, heads]
+        scale[blocks, offsets] = row_scale
+        cache[blocks, offsets] = quantize_int8(x, row_scale[:, :, None])
+        return
     heads = cache.shape[2]
     token_scale = pow2_scale(finite_amax(x), CODE_MAX[cache.dtype])             # [tokens, heads]
     new_scale = scale.clone()
@@ -289,10 +332,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              v_scale: torch.Tensor | None = None, *, validate: bool | None = None) -> None:
     """Store key/value `[tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping` (in place).
 
-    FP8 and int8 caches quantise on write with the page-scale policy of this module's docstring and update
-    `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA) checks slot values on the
-    host, which synchronises, so never set it inside a CUDA graph; a caller that checked the slots once per
-    step (the engine) passes False."""
+    FP8 and int8 caches quantise on write (fp8 under the page-scale policy, int8 with each row's own scale: this
+    module's docstring) and update `k_scale`/`v_scale` in place. `validate` (default: on for CPU, off for CUDA)
+    checks slot values on the host, which synchronises, so never set it inside a CUDA graph; a caller that
+    checked the slots once per step (the engine) passes False."""
     num_blocks, block_size = _validate_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if validate or (validate is None and not key.is_cuda):
         if key.is_cuda and torch.cuda.is_current_stream_capturing():

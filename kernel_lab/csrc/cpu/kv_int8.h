@@ -1,17 +1,23 @@
-/* int8 and fp8 E4M3 KV pages for paged_decode_attention.c: project 05's page-scale write policy.
+/* int8 and fp8 E4M3 KV pages for paged_decode_attention.c.
  *
- * A page of one KV head holds int8 codes and one float32 scale (`[num_blocks, num_kv_heads]` beside the
- * cache); an element means code * scale, the code -128 (outside the symmetric range) means NaN. The scale
- * is the smallest power of two >= amax / 127 (at least 2^-126) over the finite elements the page and head
- * has received; a token whose amax needs a larger scale first requantises the page's codes to it
- * (round(code * old / new), nearest even; a page whose old scale is 0 holds no data and is zero-filled).
- * This is kernel_lab/ops/kv_cache.py's policy (`write_kv_reference`) applied one token at a time, bit for bit:
- * power-of-two scales make x / scale and code * ratio exact, so the only roundings are the two to an integer.
- * +-inf saturates to +-127 codes; NaN takes no part in a scale and is stored as -128.
+ * int8 pages (issue 35): one float32 scale per token and KV head (`[num_blocks, block_size, num_kv_heads]`
+ * beside the cache), as llama.cpp's q8_0 keeps one per 32 weights. A token's row of one KV head is written
+ * once, with its own scale s = amax / 127 over the row's finite elements (one IEEE division; at least
+ * 2^-126; 0 for a row with none) and codes round(x / s) to nearest even, clamped to [-127, 127]; the code
+ * -128 (outside the symmetric range) means NaN, +-inf saturates to +-127. An element means code * s, so
+ * |x - code * s| <= s / 2 (plus float32's rounding of the division and the product). Nothing is ever
+ * requantised: a later token (or a rejected draft's) cannot move another token's codes, and a token that
+ * holds little (the first, attention-sink token of SmolLM2 has a row amax a third of its page's) keeps
+ * 8 bits of its own range, not of its page's largest row. This is kernel_lab/ops/kv_cache.py's int8 write
+ * (`write_kv_reference`), bit for bit.
  *
- * fp8 pages are project 05's format under the same policy with 448 for 127: codes are E4M3 (x / scale
- * clamped to +-448, rounded to nearest even as torch's cast, kv_half.h), requantisation rounds
- * code * old / new to E4M3, and NaN is E4M3's own NaN, kept through requantisation with its sign. */
+ * fp8 pages keep project 05's format, shared with the CUDA kernels: one float32 scale per page and KV head
+ * (`[num_blocks, num_kv_heads]`), the smallest power of two >= amax / 448 (at least 2^-126) over the finite
+ * elements the page and head has received; a token whose amax needs a larger scale first requantises the
+ * page's codes to it (E4M3 of code * old / new, nearest even; a page whose old scale is 0 holds no data and is
+ * zero-filled). Codes are E4M3 of x / scale clamped to +-448, rounded to nearest even as torch's cast
+ * (kv_half.h); NaN is E4M3's own NaN, kept through requantisation with its sign. Power-of-two scales make
+ * x / scale and code * ratio exact, so the only roundings are the ones to E4M3. */
 #ifndef KL_KV_INT8_H
 #define KL_KV_INT8_H
 
@@ -47,40 +53,52 @@ static inline uint8_t fp8_code(float x, float scale) {
     return float_to_e4m3(c > KV_F8_MAX ? KV_F8_MAX : c < -KV_F8_MAX ? -KV_F8_MAX : c);
 }
 
-/* A stored code rescaled by `ratio` (old / new scale, a power of two below 1): the page's requantisation. */
-static inline uint8_t requantised_code(int format, uint8_t code, float ratio) {
-    if (format == KV_I8) {
-        const int8_t c = (int8_t)code;
-        return (uint8_t)(c == KV_I8_NAN ? KV_I8_NAN : (int8_t)nearbyintf((float)c * ratio));
-    }
+/* A stored fp8 code rescaled by `ratio` (old / new scale, a power of two below 1): the page's requantisation. */
+static inline uint8_t requantised_fp8_code(uint8_t code, float ratio) {
     return (code & 0x7f) == 0x7f ? code : float_to_e4m3(e4m3_to_float(code) * ratio);
 }
 
-/* One token's row of one KV head into its int8 or fp8 page: `page` is the page's row 0 for this head, rows
- * `stride_token` bytes apart, the token at row `offset`; `scale` the page and head's scale, raised (and the
- * page requantised) when the row needs more range. */
-static inline void write_scaled_row(int format, const float *restrict x, int head_dim, uint8_t *page,
-                                    int64_t stride_token, int block_size, int offset, float *scale) {
+/* The largest magnitude among a row's finite elements (0 if none: NaN and inf never set a scale). */
+static inline float finite_amax(const float *restrict x, int n) {
     float amax = 0.0f;
-    for (int d = 0; d < head_dim; ++d) {
+    for (int d = 0; d < n; ++d) {
         const float a = fabsf(x[d]);
         if (a <= 3.40282347e38f && a > amax) amax = a; /* finite only: false for NaN and inf */
     }
-    const float old = *scale, grown = pow2_page_scale(amax, format == KV_I8 ? KV_I8_MAX : KV_F8_MAX);
+    return amax;
+}
+
+/* An int8 row's own scale: amax / 127, at least 2^-126; 0 for amax 0 (kv_cache.int8_token_scale). */
+static inline float int8_token_scale(float amax) {
+    if (!(amax > 0.0f)) return 0.0f;
+    const float s = amax / KV_I8_MAX;
+    return s < 1.17549435e-38f ? 1.17549435e-38f : s;
+}
+
+/* One token's row of one KV head into int8 pages with its own scale (`*scale`, the token and head's). */
+static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scale) {
+    const float s = int8_token_scale(finite_amax(x, head_dim));
+    *scale = s;
+    for (int d = 0; d < head_dim; ++d) dst[d] = int8_code(x[d], s);
+}
+
+/* One token's row of one KV head into its fp8 page: `page` is the page's row 0 for this head, rows
+ * `stride_token` bytes apart, the token at row `offset`; `scale` the page and head's scale, raised (and the
+ * page requantised) when the row needs more range. */
+static inline void write_fp8_row(const float *restrict x, int head_dim, uint8_t *page, int64_t stride_token,
+                                 int block_size, int offset, float *scale) {
+    const float old = *scale, grown = pow2_page_scale(finite_amax(x, head_dim), KV_F8_MAX);
     if (grown > old) {
         const float ratio = old > 0.0f ? old / grown : 0.0f;
         for (int t = 0; t < block_size; ++t) {
             uint8_t *r = page + t * stride_token;
-            for (int d = 0; d < head_dim; ++d) r[d] = old > 0.0f ? requantised_code(format, r[d], ratio) : 0;
+            for (int d = 0; d < head_dim; ++d) r[d] = old > 0.0f ? requantised_fp8_code(r[d], ratio) : 0;
         }
         *scale = grown;
     }
     uint8_t *dst = page + offset * stride_token;
     const float s = *scale;
-    if (format == KV_I8)
-        for (int d = 0; d < head_dim; ++d) dst[d] = (uint8_t)int8_code(x[d], s);
-    else
-        for (int d = 0; d < head_dim; ++d) dst[d] = fp8_code(x[d], s);
+    for (int d = 0; d < head_dim; ++d) dst[d] = fp8_code(x[d], s);
 }
 
 #endif

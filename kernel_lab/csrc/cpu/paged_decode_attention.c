@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
  * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
- * rows widen in registers, every sum is float32; int8 and fp8 pages carry one float32 scale per page and KV
- * head, kv_int8.h).
+ * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token and KV head,
+ * fp8 pages one per page and KV head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -103,6 +103,10 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                                       int64_t out_stride_b, int64_t out_stride_h) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t element = kv_element_bytes(format);
+    /* Scale strides in floats: int8 [num_blocks, block_size, num_kv_heads] (a token's own), fp8
+     * [num_blocks, num_kv_heads] (every token of a page and head shares one: a token stride of 0). */
+    const int64_t scale_token = format == KV_I8 ? num_kv_heads : 0;
+    const int64_t scale_block = format == KV_I8 ? (int64_t)block_size * num_kv_heads : num_kv_heads;
     cache_stride_block *= element, cache_stride_token *= element, cache_stride_head *= element;
     const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int64_t score_row = ((int64_t)block_size + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
@@ -151,9 +155,11 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
             const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
             const char *k_page = (const char *)k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
             const char *v_page = (const char *)v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
-            /* int8, fp8: this page's scales, one per KV head (unused, and never read, for the other formats). */
-            const float *k_page_scale = kv_scaled(format) ? k_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
-            const float *v_page_scale = kv_scaled(format) ? v_scale + (int64_t)table[page_idx] * num_kv_heads : NULL;
+            /* int8, fp8: the scales of this page's token lo on, token t's for KV head h at t * scale_token + h
+             * (unused, and never read, for the other formats). */
+            const int64_t scale_at = (int64_t)table[page_idx] * scale_block + (lo - page_idx * block_size) * scale_token;
+            const float *k_page_scale = kv_scaled(format) ? k_scale + scale_at : NULL;
+            const float *v_page_scale = kv_scaled(format) ? v_scale + scale_at : NULL;
             /* What to prefetch: this sequence's next page, else the next sequence's first page. Table
              * entries past a sequence's last page may be padding, so only used entries are looked up. */
             int64_t next = -1;
@@ -189,9 +195,10 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                             dot_tokens(qs + h * row, k, head_dim, s);
                         } else {
                             dot_tokens_half(format, qs + h * row, k16, head_dim, s);
-                            /* A power-of-two scale: the same bits as the dot product of the scaled codes. */
+                            /* Each token's K scale on its score (fp8: the page's power of two, so the same bits as
+                             * the dot product of the scaled codes). */
                             if (kv_scaled(format))
-                                for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[kvh];
+                                for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[(t + i) * scale_token + kvh];
                         }
                     }
                 }
@@ -203,7 +210,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                     for (int h = kvh * group; h < (kvh + 1) * group; ++h)
                         scores[h * score_row + t] =
                             format == KV_F32   ? dot(qs + h * row, (const float *)k, head_dim)
-                            : kv_scaled(format) ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
+                            : kv_scaled(format) ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[t * scale_token + kvh]
                                                : dot_half(format, qs + h * row, k, head_dim);
                 }
             }
@@ -253,9 +260,10 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                         prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
-                        if (kv_scaled(format)) { /* the V scale goes on the probabilities (exact: a power of two) */
-                            const float vs = v_page_scale[kvh], pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs,
-                                                                              p[3] * vs};
+                        if (kv_scaled(format)) { /* each token's V scale goes on its probability */
+                            const float *vs = v_page_scale + t * scale_token + kvh;
+                            const float pv[TOKENS] = {p[0] * vs[0], p[1] * vs[scale_token], p[2] * vs[2 * scale_token],
+                                                      p[3] * vs[3 * scale_token]};
                             accumulate_half(format, a, pv, v16, TOKENS, head_dim);
                             continue;
                         }
@@ -282,7 +290,7 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                         const float *p = scores + h * score_row + t;
                         float *restrict a = acc + h * row;
                         if (format != KV_F32) {
-                            const float pv = kv_scaled(format) ? p[0] * v_page_scale[kvh] : p[0];
+                            const float pv = kv_scaled(format) ? p[0] * v_page_scale[t * scale_token + kvh] : p[0];
                             accumulate_half(format, a, &pv, v16, 1, head_dim);
                             continue;
                         }
@@ -308,8 +316,8 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
 
 /* Strides are in elements (of the cache's format for the caches); the last dimension of q, the caches and
  * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16, KV_BF16, KV_I8 or KV_F8
- * (kv_half.h); `k_scale`, `v_scale`: int8 and fp8 only (NULL otherwise), float32 [num_blocks, num_kv_heads],
- * dense.
+ * (kv_half.h); `k_scale`, `v_scale`: int8 and fp8 only (NULL otherwise), dense float32, int8's
+ * [num_blocks, block_size, num_kv_heads] (one per token), fp8's [num_blocks, num_kv_heads] (one per page).
  * `window`: the sliding window in tokens, 0 for none (see the top of the file). Returns 0, -1 when the
  * scratch buffer cannot be allocated (then nothing is written), or -2 for an unknown kv_format. */
 int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stride_h, const void *k_cache,
@@ -345,7 +353,7 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
 const char *kl_paged_attention_isa(void) { return kv_half_isa(); }
 
 /* n floats into a cache row of `kv_format` (the fused call's write, exported so the tests can check its
- * rounding on chosen values). Not int8 or fp8, whose rows go through a page scale (kl_write_kv_scaled). */
+ * rounding on chosen values). Not int8 or fp8, whose rows go through a scale (kl_write_kv_scaled). */
 void kl_store_kv_row(int kv_format, const float *src, int64_t n, void *dst) {
     if (kv_scaled(kv_format)) return;
     if (kv_format == KV_F32)
@@ -366,14 +374,21 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
 }
 
 /* One token's K or V rows (num_kv_heads rows of head_dim floats, `x`) into int8 or fp8 pages at `slot`:
- * project 05's policy per (page, KV head), kv_int8.h. Strides in elements (bytes, for one-byte codes). */
+ * int8 with the token's own scales, fp8 under project 05's policy per (page, KV head), kv_int8.h. Strides in
+ * elements (bytes, for one-byte codes). */
 static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t *cache, float *scales,
                                int64_t stride_block, int64_t stride_token, int64_t stride_head, int num_kv_heads,
                                int head_dim, int block_size) {
     const int64_t block = slot / block_size;
-    for (int h = 0; h < num_kv_heads; ++h)
-        write_scaled_row(format, x + (int64_t)h * head_dim, head_dim, cache + block * stride_block + h * stride_head,
-                         stride_token, block_size, (int)(slot % block_size), scales + block * num_kv_heads + h);
+    const int offset = (int)(slot % block_size);
+    for (int h = 0; h < num_kv_heads; ++h) {
+        const float *row = x + (int64_t)h * head_dim;
+        uint8_t *page = cache + block * stride_block + h * stride_head;
+        if (format == KV_I8)
+            write_int8_row(row, head_dim, (int8_t *)(page + offset * stride_token), scales + slot * num_kv_heads + h);
+        else
+            write_fp8_row(row, head_dim, page, stride_token, block_size, offset, scales + block * num_kv_heads + h);
+    }
 }
 
 /* `tokens` rows of K and V ([tokens, num_kv_heads, head_dim] floats, dense) into int8 or fp8 pages
@@ -409,9 +424,10 @@ int kl_write_kv_scaled(int kv_format, const float *key, const float *value, cons
  * sin [tokens, head_dim] are the rows of each token's position (contiguous). Float32 and 16-bit pages: every
  * token's K and V are written before any row attends, so rows of one sequence in one call (prompt tokens)
  * see each other. Int8 and fp8 pages (`k_scale`, `v_scale` as kl_paged_decode_attention's; NULL for the
- * other formats): each row is written and then attends, in row order, because a write may requantise its page:
- * a row then sees its page as its own and the earlier tokens left it, never rescaled by a later token, so
- * its result does not depend on where a prompt's chunks begin. With a sliding `window` each row sees the
+ * other formats): each row is written and then attends, in row order, because an fp8 write may requantise its
+ * page: a row then sees its page as its own and the earlier tokens left it, never rescaled by a later token,
+ * so its result does not depend on where a prompt's chunks begin. (An int8 write touches its own slot and
+ * scale only, so the order changes nothing there; the one loop serves both.) With a sliding `window` each row sees the
  * last `window` tokens of its own length. A slot
  * of -1 stores nothing. `out` [tokens, Hq * head_dim] is contiguous. Returns 0, or -1 when scratch memory
  * cannot be allocated (then the cache may hold this call's K and V but `out` is unwritten). */
