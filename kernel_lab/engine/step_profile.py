@@ -10,7 +10,9 @@ outside it nothing is wrapped, so the hook costs nothing when off and no engine 
 Time is exclusive: a part's time excludes the timed calls inside it, so the parts of a step sum to the
 step exactly, and what no named call covers lands in the glue parts (engine step, runner, model forward,
 decoder layer: Python, ctypes and torch overhead between the named calls, the timers' own cost included).
-The thread pool's wake-ups and barrier happen inside `kl_gguf_linear` and count as projections.
+The C calls (ctypes functions of the built libraries) are timed too, as "<calling part> (C)", so each
+part splits into its native work and the Python and ctypes around it. The thread pool's wake-ups and
+barrier happen inside `kl_gguf_linear` and count as "projections (C)" (or "lm_head (C)").
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from . import model_runner
 PARTS = ("scheduling", "step inputs (python)", "embedding", "rope table", "projections", "lm_head",
          "attention (+rope+kv write)", "norms", "activation", "kernel_threads enter/exit", "sampling",
          "output processing", "decoder layer glue", "model forward glue", "runner glue", "engine step glue")
+# The C calls inside the parts above, timed apart: "projections (C)" is kl_gguf_linear's own time inside the
+# projections (quantizing x, the tiles, the pool's hand-off and barrier), "projections" then the Python and
+# ctypes around it. A C call counts toward the part that made it.
+NATIVE = {"gguf_linear": ("kl_gguf_linear", "kl_gguf_dequantize_rows"),
+          "norm_activation": ("kl_add_rms_norm_f32", "kl_silu_and_mul_f32", "kl_gelu_and_mul_f32"),
+          "paged_decode_attention": ("kl_rope_write_paged_attention", "kl_paged_decode_attention")}
+NATIVE_PARTS = ("embedding", "projections", "lm_head", "attention (+rope+kv write)", "norms", "activation")
+PARTS = PARTS + tuple(f"{p} (C)" for p in NATIVE_PARTS)
 
 
 class StepProfile:
@@ -41,12 +51,14 @@ class StepProfile:
         self._stack: list[list[float]] = []   # per open timed call: [time spent in timed calls inside it]
         self._current: dict[str, float] | None = None
 
-    def _timed(self, part: str, fn):
+    def _timed(self, part: str | None, fn):
+        """`fn` timed as `part`; part None: a C call, counted as "<the calling part> (C)"."""
         clock, stack = time.perf_counter, self._stack
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            children = [0.0]
+            name = part if part is not None else f"{stack[-1][1] if stack else 'other'} (C)"
+            children = [0.0, name]
             stack.append(children)
             t0 = clock()
             try:
@@ -58,7 +70,7 @@ class StepProfile:
                     stack[-1][0] += elapsed
                 current = self._current
                 if current is not None:
-                    current[part] = current.get(part, 0.0) + (elapsed - children[0]) * 1e3
+                    current[name] = current.get(name, 0.0) + (elapsed - children[0]) * 1e3
         return wrapper
 
     def _patch(self, owner, name: str, part: str) -> None:
@@ -86,6 +98,13 @@ class StepProfile:
     def __enter__(self) -> StepProfile:
         engine = self.engine
         runner, model = engine.runner, engine.runner.model
+        for lib_name, functions in NATIVE.items():
+            lib = cpu_kernels.load_library(lib_name)
+            if lib is not None:
+                for name in functions:
+                    original = getattr(lib, name)   # a ctypes function; the CDLL keeps it as an attribute
+                    setattr(lib, name, self._timed(None, original))
+                    self._undo.append(lambda lib=lib, name=name, original=original: setattr(lib, name, original))
         for name in ("schedule", "update_computed"):
             self._patch(engine.scheduler, name, "scheduling")
         self._patch(engine, "_admit_compiled", "scheduling")
