@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 
 from kernel_lab import ops
-from kernel_lab.models import llama
+from kernel_lab.models import decode_stack, llama
 from kernel_lab.ops import cpu_kernels
 
 from . import model_runner
@@ -35,9 +35,12 @@ PARTS = ("scheduling", "step inputs (python)", "embedding", "rope table", "proje
 # ctypes around it. A C call counts toward the part that made it.
 NATIVE = {"gguf_linear": ("kl_gguf_linear", "kl_gguf_dequantize_rows"),
           "norm_activation": ("kl_add_rms_norm_f32", "kl_silu_and_mul_f32", "kl_gelu_and_mul_f32"),
-          "paged_decode_attention": ("kl_rope_write_paged_attention", "kl_paged_decode_attention")}
+          "paged_decode_attention": ("kl_rope_write_paged_attention", "kl_paged_decode_attention"),
+          "decode_stack": ("kl_decode_stack",)}
 NATIVE_PARTS = ("embedding", "projections", "lm_head", "attention (+rope+kv write)", "norms", "activation")
-PARTS = PARTS + tuple(f"{p} (C)" for p in NATIVE_PARTS)
+# With models/decode_stack.py on, a decode step's layers are one C call: their norms, projections,
+# attention and activation then show as "decoder layers (C)" only (KERNEL_LAB_DECODE_STACK=0 splits them).
+PARTS = PARTS + tuple(f"{p} (C)" for p in NATIVE_PARTS) + ("decoder layers", "decoder layers (C)")
 
 
 class StepProfile:
@@ -117,6 +120,7 @@ class StepProfile:
         self._patch(engine.output_processor, "process", "output processing")
         self._patch_context(model_runner, "kernel_threads", "kernel_threads enter/exit")
         self._patch(model, "forward", "model forward glue")
+        self._patch(decode_stack, "run", "decoder layers")
         self._patch(model.embed, "forward", "embedding")
         self._patch(model.rotary, "forward", "rope table")
         self._patch(model.lm_head, "forward", "lm_head")

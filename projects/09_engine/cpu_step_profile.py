@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,17 +80,34 @@ def split(profiled: list[dict[str, float]]) -> dict[str, float]:
     return {p: statistics.median(s.get(p, 0.0) for s in profiled) for p in (*PARTS, "step", "wall")}
 
 
+@contextmanager
+def decode_stack_setting(value: str):
+    """KERNEL_LAB_DECODE_STACK=value within the block (models/decode_stack.py reads it every forward)."""
+    previous = os.environ.get("KERNEL_LAB_DECODE_STACK")
+    os.environ["KERNEL_LAB_DECODE_STACK"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("KERNEL_LAB_DECODE_STACK")
+        else:
+            os.environ["KERNEL_LAB_DECODE_STACK"] = previous
+
+
 def smoke() -> int:
     torch.set_num_threads(1)
-    engine = decoding_engine(None, input_len=16, steps=3)
-    _, profiled = profile_steps(engine, 3)
-    for parts in profiled:
-        named = sum(v for k, v in parts.items() if k not in ("step", "wall"))
-        assert abs(named - parts["step"]) < 1e-9, parts
-        assert abs(parts["step"] - parts["wall"]) <= 0.1 * parts["wall"], parts
-        assert parts.get("projections", 0) > 0 and parts.get("attention (+rope+kv write)", 0) > 0, parts
-    print("smoke: parts sum to within 10% of the step:",
-          ", ".join(f"{p['step']:.2f}/{p['wall']:.2f} ms" for p in profiled))
+    for stack in ("0", "1"):   # the layers op by op, then as one C call (models/decode_stack.py)
+        with decode_stack_setting(stack):
+            engine = decoding_engine(None, input_len=16, steps=3)
+            _, profiled = profile_steps(engine, 3)
+        for parts in profiled:
+            named = sum(v for k, v in parts.items() if k not in ("step", "wall"))
+            assert abs(named - parts["step"]) < 1e-9, parts
+            assert abs(parts["step"] - parts["wall"]) <= 0.1 * parts["wall"], parts
+            inner = ("decoder layers (C)",) if stack == "1" else ("projections (C)", "attention (+rope+kv write) (C)")
+            assert all(parts.get(p, 0) > 0 for p in (*inner, "lm_head (C)")), parts
+        print(f"smoke, KERNEL_LAB_DECODE_STACK={stack}: parts sum to within 10% of the step:",
+              ", ".join(f"{p['step']:.2f}/{p['wall']:.2f} ms" for p in profiled))
     return 0
 
 
@@ -97,6 +115,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all cores")
+    parser.add_argument("--decode-stack", nargs="+", default=["0", "1"], choices=["0", "1"],
+                        help="KERNEL_LAB_DECODE_STACK settings to profile: 0 splits the layers op by op, 1 runs "
+                             "them as one C call (the default engine); default both")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50, help="profiled steps (as many plain ones alternate)")
     parser.add_argument("--out", default=str(REPO / "results"))
@@ -111,32 +132,39 @@ def main(argv=None) -> int:
         "09_engine", "CPU batch-1 decode step profile" + ("" if args.model is None else f" on {label}"), "cpu",
         description=f"{label}, quantized GGUF weights (gguf_linear, ISA {kernel_isa()}, "
                     f"KERNEL_LAB_CPU_ISA={cpu_kernels.isa()}), float32 activations, batch 1: every part of "
-                    "LLMEngine.step() by exclusive wall-clock timers around the engine's real calls "
-                    "(kernel_lab/engine/step_profile.py), median ms per part over the profiled steps, "
+                    "LLMEngine.step() by exclusive wall-clock timers around the engine's real calls and C "
+                    "calls (kernel_lab/engine/step_profile.py), median ms per part over the profiled steps, "
                     "alternating with plain steps (their median is the case's timing); pool wake-ups count "
-                    "as projections. The CPU model and ISA flags are in env.",
+                    "in the projections' C time. decode stack 0: the layers op by op (the split); 1: the "
+                    "layers as one C call (models/decode_stack.py, the engine's default). The CPU model and "
+                    "ISA flags are in env.",
         ceilings_record={})
     headline = []
     for threads in threads_list:
-        torch.set_num_threads(threads)
-        engine = decoding_engine(args.model, args.input_len, args.steps)
-        plain, profiled = profile_steps(engine, args.steps)
-        parts = split(profiled)
-        step = parts["step"]
-        shares = {p: {"ms": parts[p], "percent": 100 * parts[p] / step} for p in PARTS}
-        timing = summarize(plain, {"timer": "time.perf_counter (CPU wall clock)", "device": "cpu",
-                                   "what": "LLMEngine.step() at batch 1, unprofiled, alternating with profiled"})
-        record.add_case(f"decode step, batch 1, {threads} thread{'s' if threads > 1 else ''}",
-                        shape={"batch": 1, "threads": threads, "input_len": args.input_len}, dtype="float32",
-                        timing=timing,
-                        extra={"parts": shares, "profiled_step_ms": step, "profiled_wall_ms": parts["wall"],
-                               "timer_overhead_ms": step - timing.median_ms})
-        print(f"{threads} thread(s): plain step {timing.median_ms:.2f} ms, profiled {step:.2f} ms")
-        for p in PARTS:
-            print(f"  {p:28s} {parts[p]:7.3f} ms  {100 * parts[p] / step:5.1f}%")
-        top = sorted(PARTS, key=lambda p: -parts[p])[:3]
-        headline.append(f"{threads} thread(s): " + ", ".join(f"{p} {100 * parts[p] / step:.0f}%" for p in top))
-        del engine
+        for stack in args.decode_stack:
+            torch.set_num_threads(threads)
+            with decode_stack_setting(stack):
+                engine = decoding_engine(args.model, args.input_len, args.steps)
+                plain, profiled = profile_steps(engine, args.steps)
+            parts = split(profiled)
+            step = parts["step"]
+            shares = {p: {"ms": parts[p], "percent": 100 * parts[p] / step} for p in PARTS}
+            timing = summarize(plain, {"timer": "time.perf_counter (CPU wall clock)", "device": "cpu",
+                                       "what": "LLMEngine.step() at batch 1, unprofiled, alternating with profiled"})
+            name = f"decode step, batch 1, {threads} thread{'s' if threads > 1 else ''}, decode stack {stack}"
+            record.add_case(name, shape={"batch": 1, "threads": threads, "input_len": args.input_len,
+                                         "decode_stack": int(stack)}, dtype="float32", timing=timing,
+                            extra={"parts": shares, "profiled_step_ms": step, "profiled_wall_ms": parts["wall"],
+                                   "timer_overhead_ms": step - timing.median_ms})
+            print(f"{threads} thread(s), decode stack {stack}: plain step {timing.median_ms:.2f} ms, "
+                  f"profiled {step:.2f} ms")
+            for p in PARTS:
+                if parts[p] > 0:
+                    print(f"  {p:32s} {parts[p]:7.3f} ms  {100 * parts[p] / step:5.1f}%")
+            top = sorted(PARTS, key=lambda p: -parts[p])[:3]
+            headline.append(f"{threads} thread(s), stack {stack}: "
+                            + ", ".join(f"{p} {100 * parts[p] / step:.0f}%" for p in top))
+            del engine
     record.set_headline("; ".join(headline))
     record.emit(args.out)
     return 0
