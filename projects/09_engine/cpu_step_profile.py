@@ -127,7 +127,8 @@ def main(argv=None) -> int:
         return smoke()
     cores = os.cpu_count() or 1
     threads_list = args.threads or sorted({1, min(2, cores), cores})
-    label = "bundled SmolLM2-135M-Instruct" if args.model is None else Path(args.model).stem
+    label = ("bundled SmolLM2-135M-Instruct" if args.model is None
+             else f"{Path(args.model).parent.name} {Path(args.model).stem}")   # e.g. random-llama-1b-v1 Q4_K_M
     record = ResultRecord(
         "09_engine", "CPU batch-1 decode step profile" + ("" if args.model is None else f" on {label}"), "cpu",
         description=f"{label}, quantized GGUF weights (gguf_linear, ISA {kernel_isa()}, "
