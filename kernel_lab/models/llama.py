@@ -33,6 +33,7 @@ from kernel_lab import ops
 from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import QuantizedWeight
 
+from . import decode_stack
 from .attention import AttentionMetadata, LayerKVCache, paged_attention, rope_write_paged_attention
 from .config import EXPERT_NAMES, ModelConfig
 from .layers.linear import Embedding, Linear, QuantizedLinear, linear_for, param, weight_bytes
@@ -262,8 +263,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         rope = self.rotary(positions)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, cache, meta)
+        stack = decode_stack.for_step(self, kv_caches, meta)  # None: LoRA rows, other caches, off
+        if stack is not None and hidden.dtype == torch.float32:  # the layers as one C call, same bits
+            first = self.layers[0]
+            normed = ops.rms_norm(hidden, first.input_norm, self.config.rms_norm_eps)
+            hidden, residual = decode_stack.run(stack, rope, normed, hidden, True, kv_caches, meta)
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, cache, meta)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         return hidden
 

@@ -50,6 +50,7 @@ SOURCE = CSRC_CPU / "paged_decode_attention.c"
 GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
 NORM_ACTIVATION_SOURCE = CSRC_CPU / "norm_activation.c"
 TOKEN_BITMASK_SOURCE = CSRC_CPU / "token_bitmask.c"
+DECODE_STACK_SOURCE = CSRC_CPU / "decode_stack.c"
 # Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
 # -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
 # -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
@@ -223,6 +224,12 @@ _SIGNATURES = {
         # x, ldx, out, ldo, rows, d, tanh_approximation
         "kl_gelu_and_mul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _int], None),
     },
+    "decode_stack": {
+        # layers, num_layers, fns, hidden, residual, normed_first, rows, sizes, eps, scale, window, cos, sin,
+        # slots, cache, block_tables, table_stride, seq_lens, threads, scratch, out_hidden, out_residual
+        "kl_decode_stack": ([_ptr, _int, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, ctypes.c_float, _int,
+                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _ptr, _ptr], ctypes.c_int),
+    },
     "token_bitmask": {
         # logits, elem_bytes, neg_inf_bits, row_stride, col_stride, vocab, bitmask, mask_stride, rows, n_masks
         "kl_apply_token_bitmask": ([_ptr, _int, ctypes.c_uint32, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64],
@@ -234,7 +241,8 @@ _SIGNATURES = {
 def _source(name: str) -> Path:
     # Read at call time, so a test can point SOURCE at another file.
     return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE,
-            "norm_activation": NORM_ACTIVATION_SOURCE, "token_bitmask": TOKEN_BITMASK_SOURCE}[name]
+            "norm_activation": NORM_ACTIVATION_SOURCE, "token_bitmask": TOKEN_BITMASK_SOURCE,
+            "decode_stack": DECODE_STACK_SOURCE}[name]
 
 
 @functools.lru_cache(maxsize=None)
