@@ -366,6 +366,8 @@ def write_kv_scaled_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_s
                                     slots.numel(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
                                     v_scale.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                     num_kv_heads, head_dim, block_size)
+    if status == -1:
+        raise MemoryError("kl_write_kv_scaled: no scratch memory for an int8 K row's rotation")
     if status != 0:
         raise ValueError(f"kl_write_kv_scaled: {k_cache.dtype} pages have no page scales (int8 or fp8 only)")
 

@@ -51,7 +51,15 @@ import torch
 import torch.nn.functional as F
 
 from .common import FLOAT_DTYPES, HALF_DTYPES, check_out, check_same_device, check_tensor
-from .kv_cache import FP8_DTYPE, SCALED_DTYPES, check_cache_pair, element_scales, page_codes
+from .kv_cache import (
+    FP8_DTYPE,
+    SCALED_DTYPES,
+    check_cache_pair,
+    element_scales,
+    hadamard_block,
+    hadamard_rotate,
+    page_codes,
+)
 
 # Kernel geometry, shared by the CUDA code (csrc/paged_attention.cu) and the CPU model; a compile test
 # checks the two agree.
@@ -105,7 +113,10 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     v = v.view(batch * tokens, num_kv_heads, head_dim).index_fill_(0, stale, 0.0)
     k = k.view(batch, tokens, num_kv_heads, head_dim).transpose(1, 2)                        # [B, Hkv, T, D]
     v = v.view(batch, tokens, num_kv_heads, head_dim).transpose(1, 2)
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    qf = q.float()
+    if k_cache.dtype == torch.int8:  # the pages hold H k: (H q / block) . (H k) = q . k (kv_cache's docstring)
+        qf = hadamard_rotate(qf) * (1.0 / hadamard_block(head_dim))
+    qg = qf.view(batch, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)                  # length 0 -> a zero row
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)

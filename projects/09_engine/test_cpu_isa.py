@@ -20,7 +20,7 @@ import torch
 
 from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels, gguf_linear
-from kernel_lab.ops.kv_cache import dequantize_pages, element_scales, write_kv_reference
+from kernel_lab.ops.kv_cache import dequantize_pages, element_scales, int8_keys, write_kv_reference
 from kernel_lab.ops.paged_attention import paged_decode_attention_reference
 from kernel_lab.ops.token_bitmask import apply_token_bitmask_reference
 
@@ -174,6 +174,12 @@ def _scaled_pages(kc, vc, lengths, tables, block_size, dtype=torch.int8):
     return k8, v8, ks, vs
 
 
+def _dequantized_pages(k8, v8, ks, vs, page_dtype):
+    """Float64 K and V from scaled pages, int8 K rotated back (int8 pages hold H k: kv_cache's docstring)."""
+    kd, vd = (dequantize_pages(c, element_scales(s, page_dtype)).double() for c, s in ((k8, ks), (v8, vs)))
+    return (int8_keys(kd).double() if page_dtype == torch.int8 else kd), vd
+
+
 @pytest.mark.parametrize("hq, hkv, d, block_size", [(9, 3, 64, 16), (6, 3, 96, 16), (5, 5, 36, 8)])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("page_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
@@ -189,7 +195,7 @@ def test_paged_decode_attention_scaled_pages(isa, page_dtype, hq, hkv, d, block_
     out = poison(torch.empty_like(q))
     assert cpu_kernels.paged_decode_attention_cpu(q, k8, v8, tables, lens, 0.6 * d ** -0.5, out, window,
                                                   k_scale=ks, v_scale=vs)
-    kd, vd = (dequantize_pages(c, element_scales(s, page_dtype)).double() for c, s in ((k8, ks), (v8, vs)))
+    kd, vd = _dequantized_pages(k8, v8, ks, vs, page_dtype)
     expected = paged_decode_attention_reference(q.double(), kd, vd, tables, lens, 0.6 * d ** -0.5,
                                                 sliding_window=window or None)
     assert_close(out, expected, torch.float32)
@@ -227,7 +233,7 @@ def test_fused_rope_write_attention_scaled_pages(isa, page_dtype, hq, hkv, d, bl
         assert torch.equal(ks, rks)
         ours, theirs = (dequantize_pages(c, ks[:, None, :, None]) for c in (k8, rk))
         assert bool(((ours - theirs).abs() <= 2 ** -3 * theirs.abs() + 2 ** -9 * ks[:, None, :, None]).all())
-    kd, vd = (dequantize_pages(c, element_scales(s, page_dtype)).double() for c, s in ((k8, ks), (v8, vs)))
+    kd, vd = _dequantized_pages(k8, v8, ks, vs, page_dtype)
     expected = paged_decode_attention_reference(_rope(q, cos, sin), kd, vd, tables, lens, 0.3)
     assert_close(out.view(3, hq, d), expected, torch.float32)
 

@@ -8,8 +8,9 @@
  * |x - code * s| <= s / 2 (plus float32's rounding of the division and the product). Nothing is ever
  * requantised: a later token (or a rejected draft's) cannot move another token's codes, and a token that
  * holds little (the first, attention-sink token of SmolLM2 has a row amax a third of its page's) keeps
- * 8 bits of its own range, not of its page's largest row. This is kernel_lab/ops/kv_cache.py's int8 write
- * (`write_kv_reference`), bit for bit.
+ * 8 bits of its own range, not of its page's largest row. K rows are rotated by a Hadamard matrix first
+ * (hadamard_rotate below), and a query that reads them is rotated the same way. This is
+ * kernel_lab/ops/kv_cache.py's int8 write (`write_kv_reference`), bit for bit.
  *
  * fp8 pages keep project 05's format, shared with the CUDA kernels: one float32 scale per page and KV head
  * (`[num_blocks, num_kv_heads]`), the smallest power of two >= amax / 448 (at least 2^-126) over the finite
@@ -23,6 +24,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kv_half.h"
 
@@ -75,8 +77,34 @@ static inline float int8_token_scale(float amax) {
     return s < 1.17549435e-38f ? 1.17549435e-38f : s;
 }
 
-/* One token's row of one KV head into int8 pages with its own scale (`*scale`, the token and head's). */
-static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scale) {
+/* int8 K rows are stored Walsh-Hadamard-rotated (kernel_lab/ops/kv_cache.py's docstring says why): Sylvester's
+ * unnormalised Hadamard matrix H (entries +-1, H H = n I) on blocks of `hadamard_block(head_dim)` channels,
+ * the largest power of two dividing head_dim (all 64 of a 64-wide head). */
+static inline int hadamard_block(int head_dim) { return head_dim & -head_dim; }
+
+/* x <- H x in place, block by block: log2(block) butterfly passes, in the order kv_cache.hadamard_rotate
+ * takes them (the same float32 additions, so the same bits). */
+static inline void hadamard_rotate(float *x, int n) {
+    const int block = hadamard_block(n);
+    for (int base = 0; base < n; base += block)
+        for (int h = 1; h < block; h *= 2)
+            for (int i = base; i < base + block; i += 2 * h)
+                for (int j = i; j < i + h; ++j) {
+                    const float a = x[j], b = x[j + h];
+                    x[j] = a + b;
+                    x[j + h] = a - b;
+                }
+}
+
+/* One token's row of one KV head into int8 pages with its own scale (`*scale`, the token and head's).
+ * `rotated`: NULL for a V row; for a K row, head_dim floats of scratch where H x is formed and quantised. */
+static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scale,
+                                  float *restrict rotated) {
+    if (rotated) {
+        memcpy(rotated, x, (size_t)head_dim * sizeof(float));
+        hadamard_rotate(rotated, head_dim);
+        x = rotated;
+    }
     const float s = int8_token_scale(finite_amax(x, head_dim));
     *scale = s;
     for (int d = 0; d < head_dim; ++d) dst[d] = int8_code(x[d], s);

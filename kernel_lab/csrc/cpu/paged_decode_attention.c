@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
  * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
- * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token and KV head,
- * fp8 pages one per page and KV head, kv_int8.h).
+ * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token and KV head
+ * and hold K rows Hadamard-rotated, fp8 pages one scale per page and KV head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -130,12 +130,15 @@ static ALWAYS_INLINE int paged_decode(const float *q, int64_t q_stride_b, int64_
                 memset(out + b * out_stride_b + h * out_stride_h, 0, (size_t)head_dim * sizeof(float));
             continue;
         }
-        /* The scale folded into q once, rather than a multiply per score. */
+        /* The scale folded into q once, rather than a multiply per score. int8 K rows hold H k, so q is
+         * rotated too: (H q) . (H k) = block * q . k, and 1 / block (a power of two) joins the scale. */
+        const float q_scale = format == KV_I8 ? scale / (float)hadamard_block(head_dim) : scale;
         for (int h = 0; h < num_q_heads; ++h) {
             const float *qh = q + b * q_stride_b + h * q_stride_h;
             float *dst = qs + h * row;
 #pragma omp simd
-            for (int d = 0; d < head_dim; ++d) dst[d] = qh[d] * scale;
+            for (int d = 0; d < head_dim; ++d) dst[d] = qh[d] * q_scale;
+            if (format == KV_I8) hadamard_rotate(dst, head_dim);
             memset(acc + h * row, 0, (size_t)head_dim * sizeof(float));
             run_max[h] = -INFINITY;
             run_sum[h] = 0.0f;
@@ -378,14 +381,15 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
  * elements (bytes, for one-byte codes). */
 static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t *cache, float *scales,
                                int64_t stride_block, int64_t stride_token, int64_t stride_head, int num_kv_heads,
-                               int head_dim, int block_size) {
+                               int head_dim, int block_size, float *rotated) { /* rotated: K's scratch, NULL for V */
     const int64_t block = slot / block_size;
     const int offset = (int)(slot % block_size);
     for (int h = 0; h < num_kv_heads; ++h) {
         const float *row = x + (int64_t)h * head_dim;
         uint8_t *page = cache + block * stride_block + h * stride_head;
         if (format == KV_I8)
-            write_int8_row(row, head_dim, (int8_t *)(page + offset * stride_token), scales + slot * num_kv_heads + h);
+            write_int8_row(row, head_dim, (int8_t *)(page + offset * stride_token), scales + slot * num_kv_heads + h,
+                           rotated);
         else
             write_fp8_row(row, head_dim, page, stride_token, block_size, offset, scales + block * num_kv_heads + h);
     }
@@ -394,20 +398,23 @@ static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t
 /* `tokens` rows of K and V ([tokens, num_kv_heads, head_dim] floats, dense) into int8 or fp8 pages
  * (`kv_format`) at `slots`, one token after another, as the fused call writes them (a slot of -1 stores
  * nothing). Exported for the tests, which hold it to kernel_lab/ops/kv_cache.py's reference called once per
- * token. Returns -2 (nothing written) for a format without page scales. */
+ * token. Returns -2 (nothing written) for a format without page scales, -1 when scratch cannot be allocated. */
 int kl_write_kv_scaled(int kv_format, const float *key, const float *value, const int64_t *slots, int64_t tokens,
                        void *k_cache, void *v_cache, float *k_scale, float *v_scale, int64_t cache_stride_block,
                        int64_t cache_stride_token, int64_t cache_stride_head, int num_kv_heads, int head_dim,
                        int block_size) {
     if (!kv_scaled(kv_format)) return -2;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
+    float *rotated = malloc((size_t)head_dim * sizeof(float));
+    if (!rotated) return -1;
     for (int64_t t = 0; t < tokens; ++t) {
         if (slots[t] < 0) continue;
         write_token_scaled(kv_format, key + t * row, slots[t], k_cache, k_scale, cache_stride_block,
-                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, rotated);
         write_token_scaled(kv_format, value + t * row, slots[t], v_cache, v_scale, cache_stride_block,
-                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, NULL);
     }
+    free(rotated);
     return 0;
 }
 
@@ -443,7 +450,8 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
     const int64_t element = kv_element_bytes(kv_format);
     /* The query rows, then the token's rotated K rows (converted from there when the pages are narrow). */
-    float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)kv_row) * sizeof(float));
+    float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)kv_row + (size_t)head_dim) *
+                      sizeof(float)); /* + head_dim: an int8 K row's rotation */
     if (!q) return -1;
     float *k_row = q + (size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row;
     int status = 0;
@@ -457,9 +465,9 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
             for (int h = 0; h < num_kv_heads; ++h)
                 rope_row(src + q_row + (int64_t)h * head_dim, c, s, head_dim, k_row + (int64_t)h * head_dim);
             write_token_scaled(kv_format, k_row, slot, k_cache, k_scale, cache_stride_block, cache_stride_token,
-                               cache_stride_head, num_kv_heads, head_dim, block_size);
+                               cache_stride_head, num_kv_heads, head_dim, block_size, k_row + kv_row);
             write_token_scaled(kv_format, src + q_row + kv_row, slot, v_cache, v_scale, cache_stride_block,
-                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size);
+                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, NULL);
         } else if (slot >= 0) {
             const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
             for (int h = 0; h < num_kv_heads; ++h) {
