@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from kernel_lab.ops import cpu_kernels, gguf_linear
+from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import PackedWeight
 
 LAYER_FIELDS = 14   # as decode_stack.c
@@ -149,7 +149,7 @@ def run(stack: StackPlan, rope, hidden: torch.Tensor, residual: torch.Tensor, no
     scratch = torch.empty(rows * stack.scratch_floats, dtype=torch.float32)
     out = torch.empty(2, rows, h, dtype=torch.float32)
     tables = meta.decode_block_tables
-    threads = gguf_linear._step_threads or torch.get_num_threads()
+    threads = cpu_kernels.step_threads()
     status = stack.lib.kl_decode_stack(
         layers, len(kv_caches), stack.fns, hidden.data_ptr(), residual.data_ptr(), int(normed_first), rows,
         stack._sizes, stack.eps, stack.scale, stack.window, cos.data_ptr(), sin.data_ptr(),

@@ -15,10 +15,10 @@ AVX2 machine's build (no AVX-512, no VNNI), `scalar` the C fallback loops (no AV
 default) all this CPU has. An AVX-512 machine can so test and benchmark the paths an AVX2 one takes; such a
 run emulates the ISA choice on this machine, not an AVX2 machine's clocks, caches or memory.
 
-Each source is its own library: `paged_decode_attention.c` (single-threaded; float32, float16, bfloat16,
+Each source is its own library: `paged_decode_attention.c` (float32, float16, bfloat16,
 int8 or fp8 E4M3 KV pages, `KV_FORMATS`, int8 with a scale per token, fp8 per page; also the engine's one-call
-layer attention with RoPE and the KV write), `gguf_linear.c`
-(quantized GGUF weights, its own small pthread pool),
+layer attention with RoPE and the KV write; a call's context spans run on gguf_linear's pool), `gguf_linear.c`
+(quantized GGUF weights, the process's one small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
 projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
 06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
@@ -74,6 +74,7 @@ _PAGED_DECODE_ARGTYPES = [
     _int, _int, _int, _int, _int,        # batch, num_q_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, _int,                # scale, window (0: none)
     _ptr, _i64, _i64,                    # out, out_stride_b, out_stride_h
+    _int,                                # threads (the pool's, gguf_linear's kl_parallel_for)
 ]
 
 _ROPE_WRITE_ATTENTION_ARGTYPES = [
@@ -83,6 +84,7 @@ _ROPE_WRITE_ATTENTION_ARGTYPES = [
     _ptr, _i64, _ptr,                    # block_tables, table_stride, seq_lens
     _int, _int, _int, _int, _int,        # tokens, num_q_heads, num_kv_heads, head_dim, block_size
     ctypes.c_float, _int, _ptr,          # scale, window (0: none), out
+    _int,                                # threads
 ]
 
 
@@ -197,6 +199,9 @@ _SIGNATURES = {
         "kl_paged_decode_attention": (_PAGED_DECODE_ARGTYPES, ctypes.c_int),
         "kl_rope_write_paged_attention": (_ROPE_WRITE_ATTENTION_ARGTYPES, ctypes.c_int),
         "kl_paged_attention_isa": ([], ctypes.c_char_p),
+        # gguf_linear's kl_parallel_for (NULL: single-threaded)
+        "kl_paged_attention_use_pool": ([_ptr], None),
+        "kl_paged_attention_split_tokens": ([], _int),
         # kv_format, src, n, dst
         "kl_store_kv_row": ([_int, _ptr, _i64, _ptr], None),
         # key, value, slots, tokens, k_cache, v_cache, k_scale, v_scale, strides (block, token, head),
@@ -212,6 +217,8 @@ _SIGNATURES = {
         # type, w, k, ids, count, out
         "kl_gguf_dequantize_rows": ([_int, _ptr, _i64, _ptr, _i64, _ptr], ctypes.c_int),
         "kl_gguf_isa": ([], ctypes.c_char_p),
+        # task(ctx, part, parts), ctx, parts
+        "kl_parallel_for": ([_ptr, _ptr, _int], None),
         # type, rows, n, k, tiles
         "kl_gguf_pack": ([_int, _ptr, _i64, _i64, _ptr], ctypes.c_int),
     },
@@ -258,6 +265,9 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
             fn = getattr(lib, fn_name)
             fn.argtypes = argtypes
             fn.restype = restype
+        if name == "paged_decode_attention":  # attention's parts run on the projections' pool (one per process)
+            pool = _load("gguf_linear", extra_flags)
+            lib.kl_paged_attention_use_pool(ctypes.cast(pool.kl_parallel_for, ctypes.c_void_p) if pool else None)
     except Exception as exc:  # any build or load failure means: use the reference
         warnings.warn(f"kernel_lab CPU kernels unavailable ({type(exc).__name__}: {exc}); "
                       "using the PyTorch reference", RuntimeWarning, stacklevel=2)
@@ -274,6 +284,25 @@ def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, .
     return _load(name, tuple(extra_flags) or ISA_FLAGS[isa()])
 
 
+def step_threads(threads: int | None = None) -> int:
+    """`threads`, else the count of an enclosing `gguf_linear.kernel_threads` block, else torch's intra-op
+    thread count: the threads a quantized projection may use."""
+    if threads is not None:
+        return max(1, int(threads))
+    from . import gguf_linear  # imports this module
+    return gguf_linear._step_threads or torch.get_num_threads()
+
+
+def attention_threads(threads: int | None = None) -> int:
+    """`threads`, else the count of an enclosing `gguf_linear.kernel_threads` block, else 1. Why not torch's
+    count outside the block: there torch's own OpenMP threads run the step's GEMMs (float32 weights), and the
+    pool's workers, spinning for the next call after each attention call, would take the cores from them."""
+    if threads is not None:
+        return max(1, int(threads))
+    from . import gguf_linear  # imports this module
+    return gguf_linear._step_threads or 1
+
+
 def _scale_pointers(k_cache, k_scale, v_scale):
     """(k_scale, v_scale) pointers for the C calls: int8 and fp8 pages' dense float32 scales, else NULL."""
     if k_cache.dtype not in _SCALED_FORMATS:
@@ -283,7 +312,8 @@ def _scale_pointers(k_cache, k_scale, v_scale):
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                                out: torch.Tensor, window: int = 0, library: ctypes.CDLL | None = None,
-                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> bool:
+                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                               threads: int | None = None) -> bool:
     """Run the C kernel into `out` if it applies; False (nothing written) means: use the reference.
 
     Inputs are assumed validated (`paged_attention._validate` and the table value checks; the kernel reads
@@ -291,7 +321,8 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     contiguous in its last dimension, K and V with the same strides, int32 tables and lengths; int8 and fp8
     caches with their contiguous float32 `k_scale`, `v_scale` (kv_cache.scale_shape). `window` > 0:
     sliding-window attention over each sequence's last `window` tokens (0: the whole sequence). `library`:
-    a build to run instead of the default one (the tests' narrowed ISA builds).
+    a build to run instead of the default one (the tests' narrowed ISA builds). `threads`: at most this many
+    of the pool's threads (default `attention_threads()`); the result is the same bits for any count.
     """
     tensors = (q, k_cache, v_cache, out)
     if any(t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
@@ -318,20 +349,20 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
         *_scale_pointers(k_cache, k_scale, v_scale), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, scale, window,
-        out.data_ptr(), out.stride(0), out.stride(1))
+        out.data_ptr(), out.stride(0), out.stride(1), attention_threads(threads))
     return status == 0
 
 
 def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_cache, block_tables, seq_lens,
                                    num_q_heads: int, scale: float, out: torch.Tensor, window: int = 0,
                                    library: ctypes.CDLL | None = None, k_scale: torch.Tensor | None = None,
-                                   v_scale: torch.Tensor | None = None) -> None:
+                                   v_scale: torch.Tensor | None = None, threads: int | None = None) -> None:
     """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention):
     RoPE on q and k, K and V into the cache at `slots` (rounded to nearest even into 16-bit pages; into
     int8 pages with each row's own scale, or fp8 pages under project 05's page-scale policy, one token after
     another, each row attending after its own write), attention into `out` [tokens, num_q_heads * head_dim],
     over each row's last `window` tokens when `window` > 0. `library`: as paged_decode_attention_cpu's;
-    `k_scale`, `v_scale`: int8 and fp8 pages'.
+    `k_scale`, `v_scale`: int8 and fp8 pages'; `threads`: as paged_decode_attention_cpu's.
 
     No checks: the caller holds what `models/attention.py` documents (float32 activations, a KV_FORMATS
     cache, qkv and out dense rows, cos/sin rows contiguous, tables and slots checked once for the step, the
@@ -347,7 +378,8 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
         k_cache.data_ptr(), v_cache.data_ptr(), KV_FORMATS[k_cache.dtype], *_scale_pointers(k_cache, k_scale, v_scale),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, out.data_ptr())
+        tokens, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, out.data_ptr(),
+        attention_threads(threads))
     if status == -2:
         raise ValueError(f"kl_rope_write_paged_attention: {k_cache.dtype} pages need their k_scale and v_scale")
     if status != 0:

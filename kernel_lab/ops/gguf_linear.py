@@ -354,8 +354,7 @@ def gguf_linear(x: torch.Tensor, weight: PackedWeight | QuantizedWeight | Packed
         y.copy_(gguf_linear_reference(x, weight.unpack() if isinstance(weight, PackedWeight) else weight))
     else:
         weight = pack(weight) if isinstance(weight, QuantizedWeight) else weight
-        if threads is None:
-            threads = _step_threads or torch.get_num_threads()
+        threads = cpu_kernels.step_threads(threads)
         status = lib.kl_gguf_linear(weight.ggml_type, weight.tiles.data_ptr(), n, k, x.data_ptr(), m,
                                     x.stride(0), y.data_ptr(), y.stride(0), threads)
         if status != 0:

@@ -22,7 +22,7 @@ typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, const fl
 typedef void (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t);
 typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, const int64_t *, void *,
                             void *, int, float *, float *, int64_t, int64_t, int64_t, const int32_t *, int64_t,
-                            const int32_t *, int, int, int, int, int, float, int, float *);
+                            const int32_t *, int, int, int, int, int, float, int, float *, int);
 
 /* Per layer, LAYER_FIELDS int64 words: input norm, post-attention norm, k cache, v cache, k scale, v scale
  * (pointers; the scales are int8 and fp8 pages' float32 [num_blocks, num_kv_heads], else NULL), then type
@@ -71,7 +71,7 @@ int kl_decode_stack(const int64_t *layers, int num_layers, void *const *fns, con
                                 (void *)(intptr_t)l[3], (int)cache[0], (float *)(intptr_t)l[4],
                                 (float *)(intptr_t)l[5], cache[1], cache[2], cache[3], block_tables,
                                 table_stride, seq_lens, (int)rows, (int)q_heads, (int)kv_heads, (int)head_dim,
-                                (int)block_size, scale, window, attn)))
+                                (int)block_size, scale, window, attn, threads)))
             return status;
         if ((status = linear((int)l[8], (const uint8_t *)(intptr_t)l[9], h, attn_n, attn, rows, attn_n, o, h,
                              threads)))

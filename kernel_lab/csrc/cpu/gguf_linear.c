@@ -27,7 +27,8 @@
  *   - with AVX-512 (VNNI, BW), steps of PAIR_MIN_ROWS rows or more take two tiles at once in 512-bit vectors
  *     (tile_pair_rows): one broadcast of 4 activations feeds 16 rows, where many-row steps were bound by
  *     the broadcasts and loop work; same per-lane operations, same bits;
- *   - tiles are split among a small pthread pool (not OpenMP: torch brings its own runtime).
+ *   - tiles are split among a small pthread pool (not OpenMP: torch brings its own runtime), which
+ *     kl_parallel_for lends to the paged attention library.
  *
  * Tile layout, per tile of 8 rows and per block b (tiles are contiguous, blocks in order within a tile):
  *   Q4_0  d[8] fp16 | quants 128 B      Q4_1  d[8] fp16 | m[8] fp16 | quants 128 B      Q8_0  d[8] fp16 | quants 256 B
@@ -432,6 +433,10 @@ typedef struct {
     const QuantizedRows *x;
     float *y;
     int parts;
+    /* Another library's work (kl_parallel_for) when set: its parts 0 .. task_parts - 1, spread over `parts`. */
+    void (*task)(void *, int, int);
+    void *ctx;
+    int task_parts;
 } Job;
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -444,6 +449,10 @@ static int workers_started;
 static Job job;
 
 static void run_part(const Job *j, int part) {
+    if (j->task) {
+        for (int p = part; p < j->task_parts; p += j->parts) j->task(j->ctx, p, j->task_parts);
+        return;
+    }
     /* Contiguous ranges of tiles, two at a time so no two threads write one 64-byte line of y. */
     const int64_t chunk = ((j->tiles + j->parts - 1) / j->parts + 1) & ~(int64_t)1;
     const int64_t t0 = part * chunk, t1 = t0 + chunk < j->tiles ? t0 + chunk : j->tiles;
@@ -507,6 +516,19 @@ static int ensure_workers(int threads) {
     return workers_started + 1 < threads ? workers_started + 1 : threads;
 }
 
+/* Publishes `j` to the workers, runs its part 0 and waits for the others (call_lock held, j.parts > 1). */
+static void run_job(Job j) {
+    job = j;
+    atomic_store_explicit(&pending, j.parts - 1, memory_order_relaxed);
+    atomic_store_explicit(&job_parts, j.parts, memory_order_relaxed);
+    pthread_mutex_lock(&pool_lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+    run_part(&job, 0);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) cpu_relax();
+}
+
 /* ------------------------------------------------------------------------------------------------ entry */
 
 static void *scratch;
@@ -545,21 +567,29 @@ int kl_gguf_linear(int type, const uint8_t *w, int64_t n, int64_t k, const float
     const int64_t max_parts = tiles / 8 > 1 ? tiles / 8 : 1;
     if (parts > max_parts) parts = (int)max_parts;
     if (parts > 1) parts = ensure_workers(parts);
-    if (parts == 1) {
+    if (parts == 1)
         gemm_tiles(type, w, tile_bytes, n, &rows, m, 0, tiles, y, ldy);
-    } else {
-        job = (Job){type, w, tile_bytes, n, tiles, m, ldy, &rows, y, parts};
-        atomic_store_explicit(&pending, parts - 1, memory_order_relaxed);
-        atomic_store_explicit(&job_parts, parts, memory_order_relaxed);
-        pthread_mutex_lock(&pool_lock);
-        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
-        pthread_cond_broadcast(&pool_wake);
-        pthread_mutex_unlock(&pool_lock);
-        run_part(&job, 0);
-        while (atomic_load_explicit(&pending, memory_order_acquire) > 0) cpu_relax();
-    }
+    else
+        run_job((Job){type, w, tile_bytes, n, tiles, m, ldy, &rows, y, parts, NULL, NULL, 0});
     pthread_mutex_unlock(&call_lock);
     return 0;
+}
+
+/* task(ctx, part, parts) for every part in [0, parts), on the pool's threads and the caller's (as many as
+ * can be started; the caller takes part 0 and waits for the rest). Why here: one pool per process, so the
+ * paged attention library's parts (paged_decode_attention.c) run on the threads the projections keep
+ * spinning, with no second set of workers contending for the cores. One call at a time, with the
+ * projections' (call_lock). */
+void kl_parallel_for(void (*task)(void *, int, int), void *ctx, int parts) {
+    if (parts < 1) return;
+    pthread_mutex_lock(&call_lock);
+    const int threads = parts > 1 ? ensure_workers(parts < MAX_THREADS ? parts : MAX_THREADS) : 1;
+    const Job j = {0, NULL, 0, 0, 0, 0, 0, NULL, NULL, threads, task, ctx, parts};
+    if (threads == 1)
+        run_part(&j, 0);
+    else
+        run_job(j);
+    pthread_mutex_unlock(&call_lock);
 }
 
 /* out [count, k] = rows `ids` of the packed W, dequantized (an embedding lookup on a quantized table). */
