@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernel_lab.harness.bench import benchmark  # noqa: E402
 from kernel_lab.harness.results import ResultRecord, device_label  # noqa: E402
-from kernel_lab.harness.roofline import measure_read_bandwidth, percent_of, achieved_gbps  # noqa: E402
+from kernel_lab.harness.roofline import achieved_gbps, measure_read_bandwidth, percent_of  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels  # noqa: E402
 from kernel_lab.ops.kv_cache import FP8_DTYPE, write_kv_reference  # noqa: E402
 
@@ -88,9 +88,9 @@ def main(argv=None) -> int:
             q, kc, vc, ks, vs, table, lens = case(context, dtype)
             out = torch.empty_like(q)
 
-            def call(threads):
-                return lambda: cpu_kernels.paged_decode_attention_cpu(q, kc, vc, table, lens, HEAD_DIM ** -0.5, out,
-                                                                      k_scale=ks, v_scale=vs, threads=threads)
+            def call(threads, args=(q, kc, vc, table, lens, HEAD_DIM ** -0.5, out), scales=(ks, vs)):
+                return lambda: cpu_kernels.paged_decode_attention_cpu(*args, k_scale=scales[0], v_scale=scales[1],
+                                                                      threads=threads)
             nbytes = bytes_moved(context, dtype)
             for threads in args.threads:
                 # alternate: one timing of each, twice, keeping each side's faster-median run
