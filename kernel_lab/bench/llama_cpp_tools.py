@@ -70,14 +70,18 @@ def missing(build: str = "native", tools: tuple[str, ...] = ("llama-bench",), ro
 
 # ====================================================================== command lines
 def llama_bench_command(binary: Path, model: Path, threads: int, prompt_len: int = 0, gen_len: int = 0,
-                        repetitions: int = 1) -> list[str]:
-    """One llama-bench test: ppN (`prompt_len`, gen_len 0) or tgN (`gen_len`, prompt_len 0), as JSON."""
+                        repetitions: int = 1, depth: int = 0, cache_type: str | None = None) -> list[str]:
+    """One llama-bench test: ppN (`prompt_len`, gen_len 0) or tgN (`gen_len`, prompt_len 0), as JSON; after
+    `depth` context tokens (`-d`, 0: none), with K and V caches of `cache_type` (`-ctk`/`-ctv`, e.g. f16 or
+    q8_0; None: llama-bench's default)."""
     if (prompt_len > 0) == (gen_len > 0) or min(prompt_len, gen_len) < 0:
         raise ValueError(f"exactly one of prompt_len and gen_len must be positive; got {prompt_len} and {gen_len}")
-    if threads < 1 or repetitions < 1:
-        raise ValueError(f"threads and repetitions must be >= 1; got {threads} and {repetitions}")
+    if threads < 1 or repetitions < 1 or depth < 0:
+        raise ValueError(f"threads and repetitions must be >= 1 and depth >= 0; got {threads}, {repetitions}, "
+                         f"{depth}")
     return [str(binary), "-m", str(model), "-p", str(prompt_len), "-n", str(gen_len), "-t", str(threads),
-            "-r", str(repetitions), "-o", "json"]
+            "-r", str(repetitions), "-o", "json", *(["-d", str(depth)] if depth else []),
+            *(["-ctk", cache_type, "-ctv", cache_type] if cache_type else [])]
 
 
 def batched_bench_command(binary: Path, model: Path, prompt_len: int, gen_len: int, batch: int,
@@ -161,7 +165,7 @@ def parse_batched_bench(text: str) -> list[dict]:
 
 # ====================================================================== one measurement
 def measure(tools: LlamaCppTools, model: Path, threads: int, *, prompt_len: int = 0, gen_len: int = 0,
-            batch: int = 0) -> dict:
+            batch: int = 0, depth: int = 0, cache_type: str | None = None) -> dict:
     """One run of the tool that covers a point, and what it measured as `tok_s`:
     - batch 0, gen_len N: llama-bench tgN, batch-1 decode tok/s;
     - batch 0, prompt_len N: llama-bench ppN, prompt tok/s;
@@ -174,10 +178,12 @@ def measure(tools: LlamaCppTools, model: Path, threads: int, *, prompt_len: int 
         quantity, tok_s, parsed = "total tok/s (S t/s: B x (PP + TG) / T)", row["s_tok_s"], row
     else:
         tool = "llama-bench"
-        command = llama_bench_command(tools.path(tool), model, threads, prompt_len, gen_len)
+        command = llama_bench_command(tools.path(tool), model, threads, prompt_len, gen_len, depth=depth,
+                                      cache_type=cache_type)
         (parsed,) = parse_llama_bench(run_tool(command))
-        test = f"pp{prompt_len}" if prompt_len else f"tg{gen_len}"
+        test = (f"pp{prompt_len}" if prompt_len else f"tg{gen_len}") + (f" @ d{depth}" if depth else "")
         quantity = f"{test} avg_ts: " + ("prompt tok/s" if prompt_len else "batch-1 decode tok/s")
         tok_s = parsed["avg_ts"]
     return {"tool": tool, "quantity": quantity, "tok_s": float(tok_s), "threads": threads, "prompt_len": prompt_len,
-            "gen_len": gen_len, "batch": batch, "command": command, "output": parsed, **tools.provenance(tool)}
+            "gen_len": gen_len, "batch": batch, "depth": depth, "cache_type": cache_type, "command": command,
+            "output": parsed, **tools.provenance(tool)}

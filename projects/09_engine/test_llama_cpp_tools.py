@@ -57,6 +57,8 @@ def test_command_lines(tmp_path):
         str(binary), "-m", str(model), "-p", "0", "-n", "128", "-t", "2", "-r", "1", "-o", "json"]
     assert tools.llama_bench_command(binary, model, 1, prompt_len=512, repetitions=3)[3:11] == [
         "-p", "512", "-n", "0", "-t", "1", "-r", "3"]
+    assert tools.llama_bench_command(binary, model, 2, gen_len=32, depth=8192, cache_type="q8_0")[13:] == [
+        "-d", "8192", "-ctk", "q8_0", "-ctv", "q8_0"]
     with pytest.raises(ValueError, match="exactly one of prompt_len and gen_len"):
         tools.llama_bench_command(binary, model, 1, prompt_len=8, gen_len=8)
     with pytest.raises(ValueError, match="threads and repetitions"):
