@@ -6,8 +6,9 @@
     python modal_app.py --requirements lab|vllm                           (the GPU images' pip pins)
 
 Tasks (see docs/l4_runbook.md for the order of a full validation):
-  test       build the CUDA extension (projects 04/05), then every project's gpu_checks.sh and its tests
-             on the GPU, GPU-marked ones included (compile-only ones left to CI), one JUnit file per project
+  test       build the CUDA extension (projects 04/05), then every project's gpu_checks.sh, then its tests
+             on the GPU, GPU-marked ones included (compile-only ones left to CI), one JUnit file per project;
+             in the suite's order, one at a time
   benchmark  every project's benchmark.py, full sweeps (--quick: the subset tools/gpu_suite.sh runs)
   suite      tools/gpu_suite.sh exactly as on the validation machine: its plan under its default deadline
   vllm       project 08's operator test and its operator / end-to-end benchmark, in a second image with vLLM
@@ -164,9 +165,11 @@ def plan(task: str, repo: Path = REPO_ROOT, quick: bool = False) -> list[Step]:
     steps = _environment_steps()
     build = from_plan(gpu_plan.build_step())
     if task == "test":
+        # The suite's checks and tests phases in its order (every gpu_checks.sh, then the tests longest first),
+        # one step at a time here: each step has its own (scaled) timeout and no shared deadline.
         steps.append(build)
-        for project_dir in project_dirs(repo):
-            steps += [from_plan(s) for s in gpu_plan.project_steps(project_dir, repo, kinds=("gpu_checks", "pytest"))]
+        steps += [from_plan(s) for s in gpu_plan.suite_steps(project_dirs(repo), repo, ("checks", "tests"))
+                  if s.phase != "setup"]
     elif task == "benchmark":
         steps.append(build)
         for project_dir in project_dirs(repo):
