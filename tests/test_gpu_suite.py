@@ -1,5 +1,5 @@
 """tools/gpu_suite.sh on CPU, with fake projects: the deadline holds even when a test ignores SIGINT and
-hangs, a timed-out project reports the tests it finished, later projects are skipped, not lost, and the
+hangs, a timed-out project reports the tests it finished while the projects tested beside it finish, and the
 summary table is printed last."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def test_suite_keeps_its_deadline_and_reports_partial_results(tmp_path):
     out = tmp_path / "out"
     budget = 30
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out), "BUDGET_S": str(budget),
-           "PYTHON": sys.executable, "SUITE_PROJECTS": f"{projects}/*/", "CUDA_VISIBLE_DEVICES": ""}
+           "PYTHON": sys.executable, "SUITE_PROJECTS": f"{projects}/*/", "CUDA_VISIBLE_DEVICES": "",
+           "SUITE_TEST_PROCESSES": "3"}  # the three test processes side by side, as on the 16-core box
     start = time.monotonic()
     run = subprocess.run(["bash", "tools/gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=budget + 30)
@@ -37,7 +38,7 @@ def test_suite_keeps_its_deadline_and_reports_partial_results(tmp_path):
     rows = {line.split()[0]: line for line in table[1:]}
     assert "2/2" in rows["01_fast"], rows
     assert "partial 1/1, timed out" in rows["02_hangs"] and "pytest timed out" in rows["02_hangs"], rows
-    assert "not run" in rows["03_late"] and "pytest skipped (deadline)" in rows["03_late"], rows
+    assert "2/2" in rows["03_late"], rows  # tested beside the hanging project, not after it
     assert table[-1] == run.stdout.rstrip().splitlines()[-1], "the summary table must be printed last"
     assert not (out / "logs" / "02_hangs.junit.xml").exists()  # killed: the per-test log was the source
 
@@ -64,7 +65,7 @@ def test_steps_that_need_an_unavailable_extension_are_skipped_with_the_reason(tm
     assert list(ran.iterdir()) == []
     rows = [line.split("\t") for line in (out / "logs" / "steps.tsv").read_text().splitlines()[1:]]
     by_step = {(r[0], r[1]): r for r in rows}
-    assert [r[1] for r in rows] == ["environment", "build", "gpu_checks", "pytest", "benchmark"]
+    assert [r[1] for r in rows] == ["environment", "build", "gpu_checks", "benchmark", "pytest"]
     build = by_step[("setup", "build")]
     assert build[2] == "3" and build[5].startswith("the kernel_lab CUDA extension needs a CUDA device"), build
     for step in ("gpu_checks", "benchmark"):

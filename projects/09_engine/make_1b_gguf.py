@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_CPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
-VERSION = 1  # bump when the written file changes
+VERSION = 2  # bump when the written file changes (2: context length 32768, for the long-context records)
 SIZES = {
     "1b": {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8},
     "tiny": {"hidden": 256, "layers": 2, "intermediate": 768, "heads": 4, "kv_heads": 2},
@@ -118,7 +118,7 @@ def write_random(path: Path, size: str, formats: dict[str, str], seed: int = 0, 
     writer = GGUFWriter(str(tmp), "llama")
     head_dim = dims["hidden"] // dims["heads"]
     writer.add_name(f"random-llama-{size}")
-    writer.add_context_length(2048)
+    writer.add_context_length(32768)  # Llama 3.2 1B's order: the long-context benchmarks run to 8K+
     writer.add_embedding_length(dims["hidden"])
     writer.add_block_count(dims["layers"])
     writer.add_feed_forward_length(dims["intermediate"])
