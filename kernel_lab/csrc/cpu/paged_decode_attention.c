@@ -488,33 +488,30 @@ int kl_paged_decode_attention(const float *q, int64_t q_stride_b, int64_t q_stri
             lo = hi;
         }
     }
-    Attention *A = malloc(sizeof(Attention));
-    if (!A) {
-        free(spans);
-        free(partials);
-        return -1;
-    }
-    *A = (Attention){q, q_stride_b, q_stride_h, k_cache, v_cache, kv_format, k_scale, v_scale,
-                     cache_stride_block * element, cache_stride_token * element, cache_stride_head * element,
-                     block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, head_dim, block_size,
-                     scale, window, out, out_stride_b, out_stride_h, spans, pages_before, num_spans, pages,
-                     partials, {0}};
+    Attention a = {q, q_stride_b, q_stride_h, k_cache, v_cache, kv_format, k_scale, v_scale,
+                   cache_stride_block * element, cache_stride_token * element, cache_stride_head * element,
+                   block_tables, table_stride, seq_lens, batch, num_q_heads, num_kv_heads, head_dim, block_size,
+                   scale, window, out, out_stride_b, out_stride_h, spans, pages_before, num_spans, pages,
+                   partials, {0}};
+    /* At most `threads` parts, one span each at least, and MIN_PAGES_PER_PART pages each. */
+    const int64_t by_work = pages / MIN_PAGES_PER_PART;
     int parts = threads < 1 ? 1 : threads > MAX_PARTS ? MAX_PARTS : threads;
     if (parts > num_spans) parts = num_spans;
-    if (parts > pages / MIN_PAGES_PER_PART) parts = pages / MIN_PAGES_PER_PART > 1 ? (int)(pages / MIN_PAGES_PER_PART) : 1;
-    if (parts > 1 && parallel_for)
-        parallel_for(run_part, A, parts);
-    else
-        run_part(A, 0, 1), parts = 1;
+    if (parts > by_work) parts = by_work > 1 ? (int)by_work : 1;
+    if (parts > 1 && parallel_for) {
+        parallel_for(run_part, &a, parts);
+    } else {
+        parts = 1;
+        run_part(&a, 0, 1);
+    }
     int status = 0;
-    for (int p = 0; p < parts; ++p) status = A->status[p] ? A->status[p] : status;
+    for (int p = 0; p < parts; ++p) status = a.status[p] ? a.status[p] : status;
     for (int i = 0; status == 0 && i < num_spans;) { /* each split sequence's spans are consecutive */
         int count = 1;
         while (i + count < num_spans && spans[i + count].b == spans[i].b) count++;
-        if (spans[i].partial >= 0) merge_spans(A, spans + i, count);
+        if (spans[i].partial >= 0) merge_spans(&a, spans + i, count);
         i += count;
     }
-    free(A);
     free(spans);
     free(partials);
     return status;
