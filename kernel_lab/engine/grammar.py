@@ -189,6 +189,11 @@ class SequenceMatcher:
         """True where the output so far is a complete match (a stop token is allowed next)."""
         return bool(self._matcher.is_completed())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculation walks a sequence's drafts, then returns)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     def fork(self) -> SequenceMatcher:
         """An independent copy in the same state (n > 1 samples of one prompt)."""
         twin = object.__new__(SequenceMatcher)

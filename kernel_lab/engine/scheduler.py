@@ -90,7 +90,7 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_masks = [], []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -42,6 +42,7 @@ class Sequence:
         self.output = None                      # the OutputProcessor's text and logprob state
         self.matcher = None                     # the grammar's SequenceMatcher, when structured
         self.draft_token_ids: list[int] = []    # this step's speculative drafts (speculative.py)
+        self.draft_masks: list = []             # the grammar's mask ahead of each draft row, when structured
 
     @property
     def params(self) -> SamplingParams:

@@ -14,8 +14,12 @@ scheduling):
 For a deterministic proposer this is both of ops.rejection_sample's rules (one-hot q): the output is token
 for token the output without speculation, greedy or seeded.
 
-Not speculated (documented limits of this stage): structured outputs (the grammar matcher has no rollback
-here yet), requests with logprobs, and sequences still in prefill.
+Structured outputs: `propose` walks the drafts through the sequence's grammar matcher, records the mask the
+grammar gives ahead of each row (`GrammarAhead`), cuts the drafts at the first token the grammar forbids
+(its row could never sample it) or after one that ends the grammar, and rolls the matcher back. Row j is then
+masked exactly as decoding without speculation masks that position; the output processor advances the real
+matcher by the accepted tokens only. Logprobs are per row, as without speculation. Not speculated: sequences
+still in prefill.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class DraftPosition:
 
     @property
     def matcher(self):
-        return None
+        masks = self.seq.draft_masks
+        return masks[self.offset] if masks else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -70,6 +75,44 @@ class DraftPosition:
 
 def draft_positions(seq) -> list[DraftPosition]:
     return [DraftPosition(seq, j) for j in range(len(seq.draft_token_ids) + 1)]
+
+
+class GrammarAhead:
+    """The grammar's state at one draft row, frozen at proposal time: what the sampler reads of a matcher
+    (fill_bitmask, is_terminated, vocab_size), from a mask row filled while the drafts were walked."""
+
+    __slots__ = ("bits", "row", "terminated", "vocab_size")
+
+    def __init__(self, bits, row: int, terminated: bool, vocab_size: int):
+        self.bits, self.row, self.terminated, self.vocab_size = bits, row, terminated, vocab_size
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def fill_bitmask(self, bitmask, row: int = 0) -> None:
+        bitmask[row].copy_(self.bits[self.row])
+
+
+def walk_grammar(matcher, drafts: list[int]) -> tuple[list[int], list[GrammarAhead]]:
+    """(drafts the grammar allows, one GrammarAhead per row): rows 0..len(kept), the matcher as it stands
+    after the kept drafts before each; the matcher is left as it was."""
+    import torch
+
+    words = (matcher.vocab_size + 31) // 32
+    bits = torch.empty((len(drafts) + 1, words), dtype=torch.int32)
+    ahead, taken = [], 0
+    try:
+        for j in range(len(drafts) + 1):
+            terminated = matcher.is_terminated()
+            if not terminated:
+                matcher.fill_bitmask(bits, j)
+            ahead.append(GrammarAhead(bits, j, terminated, matcher.vocab_size))
+            if terminated or j == len(drafts) or not matcher.accept_token(drafts[j]):
+                break
+            taken += 1
+    finally:
+        matcher.rollback(taken)
+    return drafts[:len(ahead) - 1], ahead
 
 
 class NoSpeculation:
@@ -139,16 +182,14 @@ class Speculator:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
 
     def eligible(self, seq) -> bool:
-        p = seq.params
-        return (seq.matcher is None and p.logprobs is None and p.max_tokens != 0
-                and seq.num_tokens - seq.num_computed_tokens == 1)
+        return seq.params.max_tokens != 0 and seq.num_tokens - seq.num_computed_tokens == 1
 
     def propose(self, running) -> None:
         c = self.config
         live = {}
         off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_masks = [], []
             k, wait = live[seq.seq_id] = self.draft_len.get(seq.seq_id, (c.num_speculative_tokens, 0))
             if off or not self.eligible(seq):
                 continue
@@ -160,7 +201,11 @@ class Speculator:
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(k, self.max_model_len - seq.num_tokens)
             if k > 0:
-                seq.draft_token_ids = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+                drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+                if drafts and seq.matcher is not None:
+                    drafts, ahead = walk_grammar(seq.matcher, drafts)
+                    seq.draft_masks = ahead if drafts else []
+                seq.draft_token_ids = drafts
         self.draft_len = live   # finished and preempted sequences drop out here
 
     def verify(self, results: list[SampleResult], failures):
@@ -208,11 +253,11 @@ class Speculator:
             if not drafts:
                 continue
             accepted = getattr(seq, "num_accepted_drafts", 0)
-            seq.draft_token_ids, seq.num_accepted_drafts = [], 0
+            seq.draft_token_ids, seq.draft_masks, seq.num_accepted_drafts = [], [], 0
             if seq.is_finished or not seq.block_table:
                 continue
             # the output processor appended accepted + 1 tokens, or fewer where a stop rule ended it
             seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
             block_manager.truncate(seq, seq.num_tokens)
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_masks = [], []

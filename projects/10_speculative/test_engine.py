@@ -94,8 +94,11 @@ def _assert_tight(engine) -> None:
             assert block.token_ids in (None, tuple(seq.token_ids[i * bs:(i + 1) * bs])), (seq.seq_id, i)
 
 
-def _run(engine, prompts, params, k: int | None, abort=None) -> dict:
+def _run(engine, prompts, params, k: int | None, abort=None, verified: list | None = None) -> dict:
+    """Every request to its end; `verified` (if given) collects (constrained?, drafts, accepted) per verify."""
     engine.speculator = _speculator(engine, k)
+    if verified is not None:
+        _record_verifies(engine.speculator, verified)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params[i % len(params)])
     final, steps = {}, 0
@@ -115,6 +118,18 @@ def _run(engine, prompts, params, k: int | None, abort=None) -> dict:
         for rid in list(engine.requests):
             engine.abort_request(rid)
     return final
+
+
+def _record_verifies(speculator, verified: list) -> None:
+    original = speculator.rollback
+
+    def rollback(batch, block_manager, running):
+        for seq, _ in batch.items:
+            if seq.draft_token_ids:
+                verified.append((seq.matcher is not None, len(seq.draft_token_ids), seq.num_accepted_drafts))
+        original(batch, block_manager, running)
+
+    speculator.rollback = rollback
 
 
 def _tokens(final) -> dict:
@@ -328,34 +343,152 @@ def test_no_drafts_in_a_step_with_more_running_than_disable_by_batch_size(engine
     assert all(seq.draft_token_ids == [5, 6] for seq in seqs[:2])
 
 
-def test_structured_outputs_stay_valid_beside_speculating_requests(engine):
-    """A JSON-schema and a regex request in a speculating batch: no draft is proposed for them (no grammar
-    rollback yet), their outputs are valid and equal those without speculation, and the plain requests beside
-    them still speculate."""
+JSON_SCHEMA = {"type": "object", "properties": {"count": {"type": "integer"},
+                                                "word": {"type": "string", "maxLength": 8}},
+               "required": ["count", "word"], "additionalProperties": False}
+# prompts the constrained outputs copy from, so prompt lookup proposes drafts the grammar allows
+STRUCTURED_PROMPTS = ['Answer in JSON. {"count": 3, "word": "cat"} {"count": 4, "word": "dog"} {"count":',
+                      "ab ab ab ab done. ab ab ab", "Pick one: red apple, green pear. I pick red apple. I pick",
+                      '{"name": "add", "arguments": {"a": 2, "b": 0.5}} {"name": "add", "arguments": {"a":',
+                      "The cat sat on the mat. The cat sat on the", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"]
+
+
+def _structured_params():
+    from kernel_lab.engine.structured_output import make_spec, parse_structured_output
+    from kernel_lab.engine.tool_calls import tool_choice_spec
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                         "b": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["a", "b"]}}}]
+    json_spec = parse_structured_output({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": JSON_SCHEMA, "strict": True}}})
+    return [SamplingParams(max_tokens=40, temperature=0, structured_outputs=json_spec),
+            SamplingParams(max_tokens=30, temperature=0, structured_outputs=make_spec("regex", r"(ab ){2,5}done",
+                                                                                       "regex")),
+            SamplingParams(max_tokens=20, temperature=0, structured_outputs=make_spec(
+                "choice", ["red apple", "green pear"], "guided_choice")),
+            SamplingParams(max_tokens=60, temperature=0, structured_outputs=tool_choice_spec(tools, "required")),
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.8, seed=7, structured_outputs=json_spec)]
+
+
+def _check_structured(i: int, text: str) -> None:
     import json
     import re
 
-    pytest.importorskip("xgrammar")
-    from kernel_lab.engine.structured_output import make_spec, parse_structured_output
+    from kernel_lab.engine.tool_calls import ForcedToolParser
 
-    schema = {"type": "object", "properties": {"count": {"type": "integer"}, "word": {"type": "string",
-              "maxLength": 8}}, "required": ["count", "word"], "additionalProperties": False}
-    pattern = r"(ab ){2,5}done"
-    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=parse_structured_output(
-                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                              "strict": True}}})),
-              SamplingParams(max_tokens=40, temperature=0, structured_outputs=make_spec("regex", pattern, "regex")),
-              GREEDY[0]]
-    prompts = BASE[:6]
+    if i in (0, 5):
+        value = json.loads(text)
+        assert set(value) == {"count", "word"} and isinstance(value["count"], int), text
+    elif i == 1:
+        assert re.fullmatch(r"(ab ){2,5}done", text), text
+    elif i == 2:
+        assert text in ("red apple", "green pear"), text
+    elif i == 3:
+        _, calls = ForcedToolParser("required").parse(text)
+        assert calls and all(c["function"]["name"] == "add" for c in calls), text
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert isinstance(args["a"], int) and 0 <= args["b"] <= 1, text
+
+
+def test_structured_outputs_and_tool_calls_speculate_and_stay_valid(engine):
+    """JSON schema, regex, choice and forced tool-call requests (greedy, and a seeded JSON one) speculate
+    beside a plain request: drafts are proposed and accepted for the constrained requests, every output
+    matches its grammar, and the tokens equal those without speculation."""
+    pytest.importorskip("xgrammar")
+    params = _structured_params()
+    prompts = STRUCTURED_PROMPTS
     base = _run(engine, prompts, params, None)
-    spec = _run(engine, prompts, params, 3)
-    assert engine.speculator.num_accepted_tokens > 0
+    seen = []
+    spec = _run(engine, prompts, params, 4, verified=seen)
+    constrained = [(d, a) for c, d, a in seen if c]
+    assert constrained and sum(a for _, a in constrained) > 0, seen
     assert _tokens(spec) == _tokens(base)
-    for i, out in spec.items():
-        text = out.outputs[0].text
-        kind = int(i[1:]) % len(params)
-        if kind == 0:
-            value = json.loads(text)
-            assert set(value) == {"count", "word"} and isinstance(value["count"], int), text
-        elif kind == 1:
-            assert re.fullmatch(pattern, text), text
+    for rid, out in spec.items():
+        _check_structured(int(rid[1:]) % len(params), out.outputs[0].text)
+
+
+def test_walking_the_grammar_masks_each_row_cuts_forbidden_drafts_and_restores_the_matcher(engine):
+    """walk_grammar on a real xgrammar matcher (choice "red apple" | "green pear"): row j's mask is the one
+    a fresh matcher gives after the first j drafts; drafts stop at the first token the grammar forbids, and
+    after a stop token that ends it; the matcher is left where it was."""
+    pytest.importorskip("xgrammar")
+    from kernel_lab.engine.grammar import GrammarCompileService, SequenceMatcher
+    from kernel_lab.engine.speculative import walk_grammar
+    from kernel_lab.engine.structured_output import make_spec
+
+    tok = engine.tokenizer
+    service = GrammarCompileService.for_tokenizer(tok, engine.config.vocab_size)
+    try:
+        compiled = service.compile(make_spec("choice", ["red apple", "green pear"], "guided_choice"))
+        red, pear = tok.encode("red apple", add_special_tokens=False), tok.encode(" pear", add_special_tokens=False)
+        eos = min(tok.eos_token_ids)
+
+        def fresh_masks(tokens):
+            m = SequenceMatcher(compiled)
+            words = (m.vocab_size + 31) // 32
+            rows = []
+            for t in [None] + tokens:
+                if t is not None:
+                    assert m.accept_token(t)
+                if m.is_terminated():
+                    rows.append(None)
+                    break
+                row = torch.empty((1, words), dtype=torch.int32)
+                m.fill_bitmask(row, 0)
+                rows.append(row[0])
+            return rows
+
+        def frozen(ahead):
+            out = []
+            for a in ahead:
+                if a.is_terminated():
+                    out.append(None)
+                    continue
+                row = torch.full((1, a.bits.shape[1]), -7, dtype=torch.int32)
+                a.fill_bitmask(row, 0)
+                out.append(row[0])
+            return out
+
+        m = SequenceMatcher(compiled)
+        kept, ahead = walk_grammar(m, red + pear + [5])               # " pear" after "red apple": forbidden
+        assert kept == red and len(ahead) == len(red) + 1
+        for got, want in zip(frozen(ahead), fresh_masks(red), strict=True):
+            assert torch.equal(got, want)
+        kept, ahead = walk_grammar(m, red + [eos] + pear)             # the stop token ends it: nothing after
+        assert kept == red + [eos] and ahead[-1].is_terminated() and not ahead[-2].is_terminated()
+        kept, ahead = walk_grammar(m, pear)                           # forbidden at once: no drafts
+        assert kept == [] and len(ahead) == 1
+        # the matcher was never moved: it still takes either choice from the start
+        for choice in ("green pear", "red apple"):
+            twin = m.fork()
+            assert all(twin.accept_token(t) for t in tok.encode(choice, add_special_tokens=False))
+            assert twin.accept_token(eos) and twin.is_terminated()
+        assert not m.is_terminated() and not m.accept_token(pear[0])
+    finally:
+        service.close()
+
+
+def test_logprobs_requests_speculate_with_the_logprobs_of_decoding_without(engine):
+    """Sampled logprobs (the chosen token's, its rank, the top 3) per accepted token equal those of decoding
+    without speculation, bit for bit (the verify rows give a 1-row decode's logits)."""
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True, logprobs=0)]
+
+    def logprobs(final):
+        return {rid: [[{t: (lp.logprob, lp.rank) for t, lp in entry.items()} for entry in c.logprobs]
+                      for c in out.outputs] for rid, out in final.items()}
+
+    base = _run(engine, BASE, params, None)
+    seen = []
+    spec = _run(engine, BASE, params, 4, verified=seen)
+    assert sum(a for _, _, a in seen) > 0
+    assert _tokens(spec) == _tokens(base)
+    assert logprobs(spec) == logprobs(base)
+    for rid, out in spec.items():     # one entry per token: the top 3 (greedy: the chosen is among them)
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(len(e) == (3 if int(rid[1:]) % 2 == 0 else 1) for e in c.logprobs), rid
