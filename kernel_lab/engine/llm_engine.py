@@ -47,7 +47,7 @@ class LLMEngine(LoRAEngineCalls):
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.vocab_size)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
-        self.speculator = make_speculator(config.speculative_config, config.max_model_len)
+        self.speculator = make_speculator(config)
 
     # ------------------------------------------------------------------------------------------- requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:

@@ -156,17 +156,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------- execute
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Sequence, int]], fresh_blocks: list[int]
+    def execute(self, items: list[tuple[Sequence, int]], fresh_blocks: list[int], sample_as=None
                 ) -> tuple[list[SampleResult], list[tuple[Sequence, Exception]]]:
-        """Run the model over the scheduled tokens; sample for the sequences whose tokens are all computed.
-        Returns the samples and the sequences whose own parameters failed the sampling (Sampler.sample_each)."""
+        """Run the model over the scheduled tokens; sample for the sequences whose tokens are all computed (as
+        `sample_as(seqs)` where given: draft_proposer.py). Returns the samples and the sequences whose own
+        parameters failed the sampling (Sampler.sample_each)."""
         if self._copies_done is not None:
             # Staging buffers are about to be refilled: their previous copies must have left. Free when the
             # previous step read its sampled tokens (which synchronised); only prefill-only steps wait here.
             self._copies_done.synchronize()
         with kernel_threads(torch.get_num_threads()) if self.quantized_weights else nullcontext():
             logits, sample_seqs = self.run_model(items, fresh_blocks)
-            results = self.sampler.sample_each(logits, sample_seqs)
+            results = self.sampler.sample_each(logits, sample_seqs if sample_as is None else sample_as(sample_seqs))
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()

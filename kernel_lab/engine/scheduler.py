@@ -104,14 +104,11 @@ class Scheduler:
     def update_computed(self, batch: ScheduledBatch) -> list[Sequence]:
         """After the model ran: advance each sequence's computed count and register its new full blocks.
         Returns the sequences whose tokens are now all computed (they receive a sampled token)."""
-        ready = []
         for seq, num_new in batch.items:
             # drafts count once accepted (Speculator.rollback), so nothing of theirs is committed here
             seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
             self.block_manager.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                ready.append(seq)
-        return ready
+        return [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
 
     # ------------------------------------------------------------------------------------------- removal
     def finish(self, seq: Sequence) -> None:

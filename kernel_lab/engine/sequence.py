@@ -81,8 +81,7 @@ class Request:
         self.lora_request = None                # LoRARequest (lora.py), when it runs under an adapter
         self.error: Exception | None = None     # why the engine refused it after add_request (a bad grammar)
         # SamplingParams.prompt_logprobs: per prompt position, {token id: Logprob} (None for the first)
-        self.prompt_logprobs: list | None = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None \
-            else None
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.seqs = [Sequence(self, i, prompt_token_ids, arrival) for i in range(params.n)]
 
     @property

@@ -1,4 +1,5 @@
-"""Speculative decoding in the engine (n-gram drafts, projects/10_speculative/README.md, "In the engine").
+"""Speculative decoding in the engine (n-gram or draft-model drafts, projects/10_speculative/README.md, "In the
+engine").
 
 A step, for a decoding sequence with drafts d1..dk (`Sequence.draft_token_ids`, set by `propose` before
 scheduling):
@@ -141,8 +142,29 @@ def acceptance_summary(counters: dict) -> dict:
                                         for n in counters["num_accepted_tokens_per_pos"]]}
 
 
-def make_speculator(config: SpeculativeConfig | None, max_model_len: int):
-    return NoSpeculation() if config is None else Speculator(config, max_model_len)
+class NgramProposer:
+    """Prompt lookup over each sequence's own tokens (ngram_proposer.py)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, pending, running) -> None:
+        c = self.config
+        for seq, k in pending:
+            seq.draft_token_ids = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+
+
+def make_speculator(engine_config):
+    """The engine's speculator for its EngineConfig (after the target's runner sized the KV pool)."""
+    config = engine_config.speculative_config
+    if config is None:
+        return NoSpeculation()
+    if config.model is None:
+        proposer = NgramProposer(config)
+    else:
+        from .draft_proposer import DraftModelProposer
+        proposer = DraftModelProposer(config.model, config.weights, engine_config)
+    return Speculator(config, engine_config.max_model_len, proposer)
 
 
 # A sequence whose drafts all fail proposes none for this many of its steps, then probes with one draft.
@@ -165,8 +187,9 @@ class Speculator:
     """The engine's hooks, and vLLM's spec_decode counters (num_drafts, num_draft_tokens,
     num_accepted_tokens, num_accepted_tokens_per_pos)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None):
         self.config = config
+        self.proposer = proposer or NgramProposer(config)
         self.max_model_len = max_model_len
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
@@ -186,7 +209,7 @@ class Speculator:
 
     def propose(self, running) -> None:
         c = self.config
-        live = {}
+        live, pending = {}, []
         off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
         for seq in running:
             seq.draft_token_ids, seq.draft_masks = [], []
@@ -201,12 +224,13 @@ class Speculator:
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(k, self.max_model_len - seq.num_tokens)
             if k > 0:
-                drafts = propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
-                if drafts and seq.matcher is not None:
-                    drafts, ahead = walk_grammar(seq.matcher, drafts)
-                    seq.draft_masks = ahead if drafts else []
-                seq.draft_token_ids = drafts
+                pending.append((seq, k))
         self.draft_len = live   # finished and preempted sequences drop out here
+        self.proposer.propose(pending, running)
+        for seq, _ in pending:
+            if seq.draft_token_ids and seq.matcher is not None:
+                seq.draft_token_ids, ahead = walk_grammar(seq.matcher, seq.draft_token_ids)
+                seq.draft_masks = ahead if seq.draft_token_ids else []
 
     def verify(self, results: list[SampleResult], failures):
         """The sampler's per-row results (DraftPosition rows included) -> per-sequence tokens to append."""

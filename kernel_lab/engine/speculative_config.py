@@ -1,6 +1,7 @@
 """`--speculative-config`: vLLM's JSON for speculative decoding, parsed and checked once, where it enters
-(EngineConfig). Only the n-gram proposer (`"method": "ngram"`, prompt lookup) exists so far; a draft model
-(`"model": PATH`) is refused by name until it does."""
+(EngineConfig). Two proposers: n-gram prompt lookup (`"method": "ngram"`) and a draft model (`"model": PATH`,
+method omitted or vLLM's `"draft_model"`; our key `"weights"` picks the draft's weight path, as `--weights`
+does the target's: auto | quantized | float32)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16      # ops.rejection_sample's bound on drafts per sequence
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-         "model")
+         "model", "weights")
+_WEIGHTS = ("auto", "quantized", "float32")
 
 
 def _positive_int(raw: dict, key: str) -> int | None:
@@ -30,6 +32,8 @@ class SpeculativeConfig:
     # vLLM's: no drafts in a step with more running sequences than this (None: never off). On a CPU a step's
     # cost grows with its rows once the batch is compute-bound, and extra draft rows stop paying there.
     disable_by_batch_size: int | None = None
+    model: str | None = None        # the draft model (method "draft_model")
+    weights: str = "auto"           # the draft's weight path
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -47,13 +51,25 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(_KEYS))
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
-        if value.get("model") is not None:
-            raise ValueError("speculative_config.model: draft-model speculation is not implemented yet; "
-                             'use {"method": "ngram", ...}')
-        method = value.get("method")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram' (the one proposer implemented), "
+        model, method = value.get("model"), value.get("method")
+        if model is not None:
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config.model must be a path (a .gguf file or a Hugging Face "
+                                 f"directory), got {model!r}")
+            if method is None:
+                method = "draft_model"
+            if method != "draft_model":
+                raise ValueError(f"speculative_config.method must be 'draft_model' (or omitted) with a model, "
+                                 f"got {method!r}")
+        elif method == "draft_model":
+            raise ValueError("speculative_config.model is required with method 'draft_model'")
+        elif method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model' (with a model), "
                              f"got {method!r}")
+        weights = value.get("weights", "auto")
+        if weights not in _WEIGHTS or model is None and "weights" in value:
+            raise ValueError(f"speculative_config.weights (the draft model's) must be one of {_WEIGHTS}, "
+                             f"got {weights!r}" + ("" if model else " without a model"))
         k = _positive_int(value, "num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required")
@@ -68,4 +84,4 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo, _positive_int(value, "disable_by_batch_size"))
+        return cls(method, k, hi, lo, _positive_int(value, "disable_by_batch_size"), model, weights)

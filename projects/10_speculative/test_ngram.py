@@ -31,7 +31,12 @@ def test_config_parses_vllm_json_and_dicts():
     ('{"method": "ngram"', "JSON"),
     ("[1]", "JSON object"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"model": "/some/draft.gguf", "num_speculative_tokens": 4}, "speculative_config.model"),
+    ({"model": "", "num_speculative_tokens": 4}, "speculative_config.model"),
+    ({"model": 3, "num_speculative_tokens": 4}, "speculative_config.model"),
+    ({"model": "/d.gguf", "method": "ngram", "num_speculative_tokens": 4}, "speculative_config.method"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "speculative_config.model"),
+    ({"model": "/d.gguf", "num_speculative_tokens": 4, "weights": "int4"}, "speculative_config.weights"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "weights": "float32"}, "speculative_config.weights"),
     ({"method": "eagle", "num_speculative_tokens": 4}, "speculative_config.method"),
     ({"num_speculative_tokens": 4}, "speculative_config.method"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
@@ -48,9 +53,14 @@ def test_config_errors_name_the_key(value, names):
         SpeculativeConfig.parse(value)
 
 
-def test_draft_model_is_refused_as_not_implemented():
-    with pytest.raises(ValueError, match="not implemented yet"):
-        SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2})
+def test_draft_model_config():
+    for value in ({"model": "/d.gguf", "num_speculative_tokens": 2},
+                  {"model": "/d.gguf", "method": "draft_model", "num_speculative_tokens": 2, "weights": "auto"}):
+        c = SpeculativeConfig.parse(value)
+        assert (c.method, c.model, c.weights, c.num_speculative_tokens) == ("draft_model", "/d.gguf", "auto", 2)
+    assert SpeculativeConfig.parse({"model": "/d.gguf", "num_speculative_tokens": 2, "weights": "float32"}
+                                   ).weights == "float32"
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).model is None
 
 
 @pytest.mark.parametrize("tokens, lo, hi, k, expected", [
