@@ -58,9 +58,12 @@ def engine():
                                          "prompt_lookup_min": 1})
 
 
-def _speculator(engine, k: int | None):
+def _speculator(engine, k):
+    """k: None (off), a draft count (n-gram), or a Speculator as it is (a draft model's)."""
     if k is None:
         return NoSpeculation()
+    if isinstance(k, Speculator):
+        return k
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                                  "prompt_lookup_min": 1})
     return Speculator(c, engine.config.max_model_len)
@@ -114,6 +117,9 @@ def _run(engine, prompts, params, k: int | None, abort=None, verified: list | No
         _assert_idle(engine)
         engine.speculator.propose([])      # the next step's proposal forgets every finished sequence
         assert not getattr(engine.speculator, "draft_len", {})
+        draft = getattr(getattr(engine.speculator, "proposer", None), "block_manager", None)
+        if draft is not None:               # a draft model's pool is whole again too
+            assert not engine.speculator.proposer.shadows and draft.num_free_blocks == draft.num_blocks
     finally:    # a failed check leaves the module's engine clean for the next test
         for rid in list(engine.requests):
             engine.abort_request(rid)
@@ -492,3 +498,98 @@ def test_logprobs_requests_speculate_with_the_logprobs_of_decoding_without(engin
         c = out.outputs[0]
         assert len(c.logprobs) == len(c.token_ids)
         assert all(len(e) == (3 if int(rid[1:]) % 2 == 0 else 1) for e in c.logprobs), rid
+
+
+# ------------------------------------------------------------------------------------------- draft model
+@pytest.fixture(scope="module")
+def draft_proposer(engine):
+    """The bundled GGUF's Q4_1 blocks (weights auto: quantized) drafting for the float32 target."""
+    from kernel_lab.engine.draft_proposer import DraftModelProposer
+    from kernel_lab.models.gguf import default_model_path
+
+    return DraftModelProposer(str(default_model_path()), "auto", engine.config)
+
+
+def _draft(engine, proposer, k: int) -> Speculator:
+    c = SpeculativeConfig.parse({"model": "bundled", "num_speculative_tokens": k})
+    return Speculator(c, engine.config.max_model_len, proposer)
+
+
+def test_draft_model_greedy_identical_for_32_concurrent_prompts(engine, draft_proposer):
+    assert draft_proposer.config.weights == "quantized" and engine.config.weights == "float32"
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), GREEDY[1], GREEDY[2], GREEDY[3]]
+    base = _run(engine, PROMPTS, params, None)
+    seen = []
+    spec = _run(engine, PROMPTS, params, _draft(engine, draft_proposer, 4), verified=seen)
+    accepted = sum(a for _, _, a in seen)
+    assert accepted > len(PROMPTS), seen       # the quantized copy agrees with its float32 target most often
+    assert _tokens(spec) == _tokens(base)
+    assert {r: [c.finish_reason for c in o.outputs] for r, o in spec.items()} == \
+           {r: [c.finish_reason for c in o.outputs] for r, o in base.items()}
+
+
+def test_draft_model_seeded_sample_identical_at_k2_k5_and_without(engine, draft_proposer):
+    """The draft samples each position with the target's keys (the coupled rule): the output is the output
+    without speculation, and the drafts are accepted often, not only where the distributions are one-hot."""
+    params = [SamplingParams(max_tokens=14, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True, n=2),
+              SamplingParams(max_tokens=14, temperature=1.0, top_k=20, seed=5, ignore_eos=True,
+                             repetition_penalty=1.2)]
+    runs, rates = {None: _tokens(_run(engine, BASE[:6], params, None))}, {}
+    for k in (2, 5):
+        seen = []
+        runs[k] = _tokens(_run(engine, BASE[:6], params, _draft(engine, draft_proposer, k), verified=seen))
+        rates[k] = sum(a for _, _, a in seen) / sum(d for _, d, _ in seen)
+    assert runs[2] == runs[None] and runs[5] == runs[None]
+    assert min(rates.values()) > 0.5, rates
+
+
+def test_draft_model_under_preemption_aborts_and_a_short_budget(draft_proposer):
+    """A pool so small that sequences are preempted mid-speculation, a 16-token budget, aborts: the tokens of
+    decoding without speculation, and both pools whole at the end."""
+    from kernel_lab.engine.draft_proposer import DraftModelProposer
+    from kernel_lab.models.gguf import default_model_path
+
+    small = LLMEngine(None, dtype="float32", device="cpu", weights="float32", max_model_len=64, max_num_seqs=8,
+                      num_kv_blocks=10, max_num_batched_tokens=16, block_size=8, enable_prefix_caching=True)
+    proposer = DraftModelProposer(str(default_model_path()), "auto", small.config)
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=16, temperature=0.7, seed=9, ignore_eos=True)]
+    base = _run(small, BASE, params, None)
+    before = small.scheduler.num_preemptions
+    spec = _run(small, BASE, params, _draft(small, proposer, 4))
+    assert small.scheduler.num_preemptions > before and small.speculator.num_accepted_tokens > 0
+    assert _tokens(spec) == _tokens(base)
+    aborted = []
+
+    def abort(engine, steps):
+        if engine.speculator.num_accepted_tokens and engine.requests and steps % 3 == 0:
+            aborted.append(sorted(engine.requests)[0])
+            engine.abort_request(aborted[-1])
+
+    _run(small, BASE, params, _draft(small, proposer, 4), abort)
+    assert aborted
+
+
+def test_draft_model_speculates_structured_outputs(engine, draft_proposer):
+    pytest.importorskip("xgrammar")
+    params = _structured_params()
+    base = _run(engine, STRUCTURED_PROMPTS, params, None)
+    seen = []
+    spec = _run(engine, STRUCTURED_PROMPTS, params, _draft(engine, draft_proposer, 4), verified=seen)
+    assert sum(a for c, _, a in seen if c) > 0, seen
+    assert _tokens(spec) == _tokens(base)
+    for rid, out in spec.items():
+        _check_structured(int(rid[1:]) % len(params), out.outputs[0].text)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_by_name(engine):
+    from kernel_lab.engine.draft_proposer import DraftModelProposer
+    from kernel_lab.models.gguf import default_model_path
+
+    c = engine.config
+    target = SimpleNamespace(dtype=c.dtype, device=c.device, max_model_len=c.max_model_len, max_num_seqs=4,
+                             max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
+                             num_kv_blocks=c.num_kv_blocks, seed=0, vocab_size=c.vocab_size + 7)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 49152 tokens"):
+        DraftModelProposer(str(default_model_path()), "auto", target)
