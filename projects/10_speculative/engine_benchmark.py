@@ -111,6 +111,10 @@ def run_point(engine, prompts: list[list[int]], concurrency: int, max_tokens: in
     return seconds, tokens, [outputs[i] for i in range(len(prompts))]
 
 
+WHAT = {"ngram": "n-gram speculation (prompt lookup 1..4)",
+        "draft": "draft-model speculation (the bundled Q4_1 GGUF drafting for its float32 weights)"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
@@ -121,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="speculative_config.disable_by_batch_size (default: unset, as vLLM's)")
     parser.add_argument("--weights", default="auto", help="the engine's --weights (auto: the bundled GGUF)")
+    parser.add_argument("--proposer", choices=("ngram", "draft"), default="ngram",
+                        help="ngram: prompt lookup; draft: the bundled GGUF's Q4_1 blocks drafting for the same "
+                             "model's float32 weights (sets --weights float32 for the target)")
     parser.add_argument("--out", default=None, help="results directory for the record (e.g. results)")
     parser.add_argument("--note", default="", help="appended to the record's description (e.g. machine load)")
     args = parser.parse_args(argv)
@@ -132,10 +139,18 @@ def main(argv=None) -> int:
     from kernel_lab.harness.results import ResultRecord
 
     torch.set_num_threads(args.threads)
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                   "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size}
+    name = args.proposer
+    if name == "ngram":
+        spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size}
+    else:
+        from kernel_lab.models.gguf import default_model_path
+
+        args.weights = "float32"
+        spec_config = {"model": str(default_model_path()), "num_speculative_tokens": args.k, "weights": "quantized",
+                       "disable_by_batch_size": args.disable_by_batch_size}
     common = dict(device="cpu", weights=args.weights, max_num_seqs=max(args.concurrency))
-    engines = {"base": LLMEngine(None, **common), "ngram": LLMEngine(None, speculative_config=spec_config, **common)}
+    engines = {"base": LLMEngine(None, **common), name: LLMEngine(None, speculative_config=spec_config, **common)}
     tokenizer = engines["base"].tokenizer
     prompts = {name: [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
                for name, texts in workloads().items()}
@@ -150,27 +165,29 @@ def main(argv=None) -> int:
         for p in points:
             order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
             tokens_of = {}
-            for name in order:
-                engine = engines[name]
-                before = engine.speculator.counters() if name == "ngram" else None
-                seconds, n, tokens_of[name] = run_point(engine, point_prompts(prompts[p[0]], p[1]), p[1],
+            for engine_name in order:
+                engine = engines[engine_name]
+                before = engine.speculator.counters() if engine_name != "base" else None
+                seconds, n, tokens_of[engine_name] = run_point(engine, point_prompts(prompts[p[0]], p[1]), p[1],
                                                         args.max_tokens)
-                ms_per_token[p, name].append(seconds * 1e3 / n)
+                ms_per_token[p, engine_name].append(seconds * 1e3 / n)
                 if before is not None:
                     after = engine.speculator.counters()
                     c = counters.setdefault(p, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
                     for key in c:
                         c[key] += after[key] - before[key]
-            same[p] &= tokens_of["base"] == tokens_of["ngram"]
-            print(f"rep {rep} {p[0]} c{p[1]}: base {1e3 / ms_per_token[p, 'base'][-1]:.1f} tok/s, ngram "
-                  f"{1e3 / ms_per_token[p, 'ngram'][-1]:.1f} tok/s, same tokens {same[p]}", flush=True)
+                if engine_name != "base":
+                    tokens_of["spec"] = tokens_of.pop(engine_name)
+            same[p] &= tokens_of["base"] == tokens_of["spec"]
+            print(f"rep {rep} {p[0]} c{p[1]}: base {1e3 / ms_per_token[p, 'base'][-1]:.1f} tok/s, {name} "
+                  f"{1e3 / ms_per_token[p, name][-1]:.1f} tok/s, same tokens {same[p]}", flush=True)
 
     stats = engines["base"].stats()
     record = ResultRecord(
-        "10_speculative", f"n-gram speculation in the engine, output tok/s ({stats['weights']} weights)", "cpu",
+        "10_speculative", f"{WHAT[name]} in the engine, output tok/s ({stats['weights']} weights)", "cpu",
         ceilings_record={},
         description=f"Bundled SmolLM2-135M-Instruct, {stats['weights']} weights, greedy, up to {args.max_tokens} "
-                    f"output tokens, {args.threads} thread(s); ngram k={args.k}, prompt_lookup 1..4, adaptive "
+                    f"output tokens, {args.threads} thread(s); {WHAT[name]} k={args.k}, adaptive "
                     f"draft length, disable_by_batch_size {args.disable_by_batch_size}; workloads rewrite (code in "
                     "the prompt), quote (passage in the prompt), chat; "
                     f"{args.reps} alternating repetitions per point. Metric: ms per output token over a point's "
@@ -178,7 +195,7 @@ def main(argv=None) -> int:
     method = {"kind": "wall clock per point / output tokens", "reps": args.reps, "alternating": True}
     headline = {}
     for p in points:
-        spec, base = (summarize(ms_per_token[p, e], method) for e in ("ngram", "base"))
+        spec, base = (summarize(ms_per_token[p, e], method) for e in (name, "base"))
         c = counters[p]
         acceptance = c["num_accepted_tokens"] / c["num_draft_tokens"] if c["num_draft_tokens"] else None
         case = record.add_case(
@@ -192,7 +209,7 @@ def main(argv=None) -> int:
         headline[f"{p[0]}_c{p[1]}_speedup"] = case["speedup"]["no speculation"]
         print(f"{p[0]} c{p[1]}: {case['speedup']['no speculation']:.2f}x, acceptance {acceptance}")
     record.set_correctness(sum(same.values()), len(same))
-    record.set_headline("n-gram speculation vs none: " + ", ".join(f"{k.replace('_speedup', '')} {v:.2f}x"
+    record.set_headline(f"{WHAT[name]} vs none: " + ", ".join(f"{k.replace('_speedup', '')} {v:.2f}x"
                                                                  for k, v in headline.items()), **headline)
     record.emit(args.out)
     return 0 if all(same.values()) else 1
