@@ -1,4 +1,5 @@
-"""Project 10, in the engine: output tok/s with and without n-gram speculation, on CPU.
+"""Project 10, in the engine: output tok/s with and without speculation (n-gram, or with --proposer draft the
+bundled GGUF's Q4_1 blocks drafting for its float32 weights), on CPU.
 
     python projects/10_speculative/engine_benchmark.py [--concurrency 1 4] [--reps 3] [--threads N]
         [--max-tokens 192] [--k 4] [--weights auto|float32] [--out results]
