@@ -9,10 +9,15 @@ share draft blocks too). A proposal is k rounds over the batch:
   verify emitted, one to k + 1) and samples draft 1 from the last row;
 - rounds 1..k-1 decode one token per shadow (the previous draft) and sample the next.
 Each draft is sampled as the target samples that position (`DraftPosition`: the request's parameters and
-keyed seed at that position, penalties on the drafts so far): greedy rows take the draft's argmax, seeded rows
-draw with the target's keys, which is `ops.rejection_sample`'s `coupled` rule. Verification accepts a draft
-iff it equals the target's own draw there, so the output is the output without speculation, token for token,
-for greedy and seeded requests alike; only the acceptance rate depends on the draft.
+keyed seed at that position, penalties on the drafts so far); greedy rows take the draft's argmax. Sampled
+rows follow speculative_config's acceptance method:
+- `rejection_sampler` (the default, vLLM's): the draft draws from its own q with keys of its own
+  (`ProposalPosition`) and keeps q's processed logits; the target's sampler verifies by rejection sampling
+  (`ops.rejection_sample`, rule `rejection`): the output is distributed as the target's, reproducible per
+  seed for a given schedule of draft lengths;
+- `coupled`: the draft draws with the target's keys, and a draft is accepted iff it equals the target's
+  own draw there, so the output is the output without speculation, token for token; only the acceptance
+  rate depends on the draft.
 
 Before a proposal the shadow keeps the longest prefix of its K/V that still matches its sequence (the
 accepted drafts' K/V stay; a rejected draft's do not), gives back the blocks past it, and registers only
@@ -68,12 +73,13 @@ class DraftModelProposer:
     """The draft's engine: speculative_config's `model` and `weights`; the rest is the target's (device,
     dtype, lengths, block size and its pool's block count)."""
 
-    def __init__(self, model: str, weights: str, target_config):
+    def __init__(self, model: str, weights: str, target_config, rule: str = "rejection"):
         from .config import EngineConfig
         from .model_loader import load_model
         from .model_runner import ModelRunner
 
         t = target_config
+        self.rule = rule                    # ops.rejection_sample's: "rejection" or "coupled"
         self.config = EngineConfig(model, dtype=t.dtype, device=t.device, weights=weights,
                                    max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs,
                                    max_num_batched_tokens=t.max_num_batched_tokens, block_size=t.block_size,
@@ -122,8 +128,9 @@ class DraftModelProposer:
     # ------------------------------------------------------------------------------------------- proposal
     def propose(self, pending: list[tuple[object, int]], running) -> None:
         """Set `draft_token_ids` (up to k each) for the (sequence, k) pairs of `pending`."""
-        from .speculative import DraftPosition
+        from .speculative import DraftPosition, ProposalPosition
 
+        position = ProposalPosition if self.rule == "rejection" else DraftPosition
         self.forget_all_but(running)
         active = []
         for seq, k in pending:
@@ -132,11 +139,12 @@ class DraftModelProposer:
                 active.append((seq, shadow, k))
         items = [(shadow, shadow.num_tokens - shadow.num_computed_tokens) for _, shadow, _ in active]
         rounds = 0
+        q_rows: dict[int, list] = {}        # seq_id -> the draft's processed logits per draft (rejection)
         while active:
             by_seq = {seq.seq_id: (seq, shadow, k) for seq, shadow, k in active}
             results, failures = self.runner.execute(
                 items, self.block_manager.drain_fresh_blocks(),
-                sample_as=lambda shadows: [DraftPosition(s.seq, len(s.seq.draft_token_ids)) for s in shadows])
+                sample_as=lambda shadows: [position(s.seq, len(s.seq.draft_token_ids)) for s in shadows])
             failed = {view.seq.seq_id for view, _ in failures}
             for shadow, n in items:
                 shadow.num_computed_tokens += n
@@ -150,8 +158,17 @@ class DraftModelProposer:
                     continue
                 seq.draft_token_ids.append(r.token_id)
                 shadow.token_ids.append(r.token_id)
+                if r.distribution is not None and not seq.params.greedy:
+                    q_rows.setdefault(seq.seq_id, []).append(r.distribution)
                 if len(seq.draft_token_ids) < k and self.block_manager.append_slots(shadow, 1):
                     nxt.append((seq, shadow, k))
             active = nxt
             items = [(shadow, 1) for _, shadow, _ in active]
             rounds += 1
+        if q_rows:
+            import torch
+
+            for seq, _ in pending:
+                rows = q_rows.get(seq.seq_id)
+                if rows and len(rows) == len(seq.draft_token_ids):
+                    seq.draft_logits = torch.stack(rows)

@@ -3,7 +3,11 @@ logit_bias, min_tokens, allowed ids, bad words: logits_processors.py), the gramm
 (`ops.apply_token_bitmask`, one matcher per constrained sequence), min_p, then greedy or seeded sampling
 (`ops.sample`: temperature, top-k, top-p). Every stage is a batched op over the rows that use it, and each
 row's result depends on nothing but that row, so seeded sampling stays batch-invariant. The sampled token's
-logprob, rank and the top-k logprobs (when asked) are the raw model's, taken before any processor."""
+logprob, rank and the top-k logprobs (when asked) are the raw model's, taken before any processor.
+
+Rows that verify a draft model's drafts under the `rejection` rule (speculative.py: a sequence's k + 1
+DraftPosition rows, with the draft's logits) are sampled together by `ops.rejection_sample` instead: the
+accepted drafts and one more token, one SampleResult each."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class SampleResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
     rank: int | None = None                                # the sampled token's rank (1 = most likely)
+    distribution: torch.Tensor | None = None               # the processed logits row, where the view asks
 
 
 class Sampler:
@@ -43,7 +48,8 @@ class Sampler:
         seed = seq.params.seed
         if seed is None:
             return self.rng.getrandbits(63)
-        return hash((seed, seq.index, seq.num_output_tokens)) & ((1 << 63) - 1)
+        # a draft model's proposals (`key_salt`) draw with keys of their own, independent of the target's
+        return hash((seed, seq.index, seq.num_output_tokens) + getattr(seq, "key_salt", ())) & ((1 << 63) - 1)
 
     def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]
                     ) -> tuple[list[SampleResult], list[tuple[Sequence, Exception]]]:
@@ -58,18 +64,24 @@ class Sampler:
             return self.sample(logits, seqs), []
         except Exception as batch_error:
             results, failed = [], []
+            units: dict[int, list[int]] = {}    # a sequence's rows stay together (a verify group)
             for row, seq in enumerate(seqs):
+                units.setdefault(id(getattr(seq, "seq", seq)), []).append(row)
+            for rows in units.values():
                 try:
-                    results += self.sample(logits[row:row + 1], [seq])
+                    results += self.sample(logits[rows], [seqs[i] for i in rows])
                 except Exception as exc:  # noqa: BLE001 - this request's fault, reported in its output
-                    failed.append((seq, exc))
-            if len(failed) == len(seqs) > 1:
+                    failed.append((seqs[rows[0]], exc))
+            if len(failed) == len(units) > 1:
                 raise batch_error
             return results, failed
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         if not seqs:
             return []
+        groups = _verify_groups(seqs)
+        if groups:
+            return self._sample_verified(logits, seqs, groups)
         params = [s.params for s in seqs]
         to_device = self._to_device
         temperature = None
@@ -90,8 +102,58 @@ class Sampler:
             )
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
-            return [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
-        return _with_logprobs(logits, tokens, seqs, want)
+            results = [SampleResult(s, t) for s, t in zip(seqs, tokens.tolist(), strict=True)]
+        else:
+            results = _with_logprobs(logits, tokens, seqs, want)
+        if any(getattr(s, "keep_distribution", False) for s in seqs):
+            kept = processed.float()
+            for i, r in enumerate(results):
+                if getattr(r.seq, "keep_distribution", False):
+                    r.distribution = kept[i].clone()
+        return results
+
+    def _sample_verified(self, logits, seqs, groups) -> list[SampleResult]:
+        """`sample` for a batch with verify groups: the other rows as usual; each group's rows processed as
+        the sequence would be at those positions and passed with its drafts and the draft's logits to
+        ops.rejection_sample (each row's key: the target's step_seed there). A group's results are its
+        emitted tokens only: the accepted drafts, then the residual or bonus draw."""
+        grouped = {i for _, rows in groups for i in rows}
+        plain = [i for i in range(len(seqs)) if i not in grouped]
+        results = self.sample(logits[plain], [seqs[i] for i in plain]) if plain else []
+        rows = [i for _, r in groups for i in r]
+        views = [seqs[i] for i in rows]
+        counts = [len(r) - 1 for _, r in groups]
+        params = [seq.params for seq, _ in groups]
+        to_device = self._to_device
+        row_temperature = to_device("verify_row_temperature",
+                                    [0.0 if v.params.greedy else v.params.temperature for v in views], torch.float32)
+        processed = self.process(logits[rows], views, row_temperature)   # min_p is applied here
+        drafts = [t for (seq, _), n in zip(groups, counts, strict=True) for t in seq.draft_token_ids[:n]]
+        tokens = ops.rejection_sample(
+            processed,
+            to_device("verify_drafts", drafts, torch.int64),
+            counts,
+            to_device("verify_temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
+            top_k=to_device("verify_top_k", [min(max(p.top_k, 0), logits.shape[1]) for p in params], torch.int32),
+            top_p=to_device("verify_top_p", [p.top_p for p in params], torch.float32),
+            seed=to_device("verify_seed", [self.step_seed(v) for v in views], torch.int64),
+            draft_logits=torch.cat([seq.draft_logits[:n] for (seq, _), n in zip(groups, counts, strict=True)]),
+            rule="rejection").tolist()
+        emitted_rows, emitted, emitted_views = [], [], []
+        start = 0
+        for b, n in enumerate(counts):
+            for j, token in enumerate(tokens[b][:n + 1]):
+                if token < 0:
+                    break
+                emitted_rows.append(rows[start + j])
+                emitted.append(token)
+                emitted_views.append(views[start + j])
+            start += n + 1
+        want = [v.params.logprobs for v in emitted_views]
+        if all(w is None for w in want):
+            return results + [SampleResult(v, t) for v, t in zip(emitted_views, emitted, strict=True)]
+        return results + _with_logprobs(logits[emitted_rows], torch.tensor(emitted, device=logits.device),
+                                        emitted_views, want)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence], temperature: torch.Tensor | None) -> torch.Tensor:
         """The logits after the processors, the grammar's bitmask and min_p: a float32 copy (the raw
@@ -115,6 +177,16 @@ class Sampler:
         if state is not None and state.min_p is not None and temperature is not None:
             apply_min_p(out, state.min_p, temperature)
         return out
+
+
+def _verify_groups(seqs) -> list[tuple[Sequence, list[int]]]:
+    """The rows of sequences whose drafts carry the draft's logits (speculative.DraftPosition rows, offsets
+    0..m in batch order), per sequence: [(sequence, row indices)]."""
+    groups: dict[int, tuple[Sequence, list[int]]] = {}
+    for i, s in enumerate(seqs):
+        if getattr(s, "offset", None) is not None and s.draft_logits is not None:
+            groups.setdefault(s.seq.seq_id, (s.seq, []))[1].append(i)
+    return list(groups.values())
 
 
 def _with_logprobs(logits, tokens, seqs, want) -> list[SampleResult]:

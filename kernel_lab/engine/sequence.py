@@ -43,6 +43,7 @@ class Sequence:
         self.matcher = None                     # the grammar's SequenceMatcher, when structured
         self.draft_token_ids: list[int] = []    # this step's speculative drafts (speculative.py)
         self.draft_masks: list = []             # the grammar's mask ahead of each draft row, when structured
+        self.draft_logits = None                # [drafts, V] the draft model's q logits, under `rejection`
 
     @property
     def params(self) -> SamplingParams:

@@ -13,11 +13,16 @@ scheduling):
 - `rollback`: only the last token and the accepted drafts count as computed, the blocks past the new
   length are freed, and the prefix cache only ever registers blocks of computed, accepted tokens.
 For a deterministic proposer this is both of ops.rejection_sample's rules (one-hot q): the output is token
-for token the output without speculation, greedy or seeded.
+for token the output without speculation, greedy or seeded. A draft model under `rejection`
+(speculative_config.acceptance_method "rejection_sampler") draws its drafts from its own q with keys of its
+own (`ProposalPosition`), keeps q's logits (`Sequence.draft_logits`), and the sampler verifies the sequence's
+rows with ops.rejection_sample: the output is distributed as the target's, with the maximal acceptance rate.
 
 Structured outputs: `propose` walks the drafts through the sequence's grammar matcher, records the mask the
 grammar gives ahead of each row (`GrammarAhead`), cuts the drafts at the first token the grammar forbids
-(its row could never sample it) or after one that ends the grammar, and rolls the matcher back. Row j is then
+(its row could never sample it) or after one that ends the grammar, and rolls the matcher back. Under
+`rejection` a forbidden draft stays, the last one verified: its rejection is certain (p = 0 there), and the
+row must then emit from max(0, p - q), not from p, or the output would not be distributed as p. Row j is then
 masked exactly as decoding without speculation masks that position; the output processor advances the real
 matcher by the accepted tokens only. Logprobs are per row, as without speculation. Not speculated: sequences
 still in prefill.
@@ -53,6 +58,11 @@ class DraftPosition:
         return self.seq.index
 
     @property
+    def draft_logits(self):
+        """The draft's logits for this row's verify group (None: verified by equality)."""
+        return self.seq.draft_logits
+
+    @property
     def matcher(self):
         masks = self.seq.draft_masks
         return masks[self.offset] if masks else None
@@ -72,6 +82,16 @@ class DraftPosition:
     @property
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens + self.offset
+
+
+class ProposalPosition(DraftPosition):
+    """A draft model's row under `rejection`: the position's parameters, but keys of its own (independent of
+    the target's acceptance and residual draws), and its processed logits kept (q)."""
+
+    __slots__ = ()
+    key_salt = ("draft",)
+    keep_distribution = True
+    draft_logits = None
 
 
 def draft_positions(seq) -> list[DraftPosition]:
@@ -163,7 +183,7 @@ def make_speculator(engine_config):
         proposer = NgramProposer(config)
     else:
         from .draft_proposer import DraftModelProposer
-        proposer = DraftModelProposer(config.model, config.weights, engine_config)
+        proposer = DraftModelProposer(config.model, config.weights, engine_config, config.rule)
     return Speculator(config, engine_config.max_model_len, proposer)
 
 
@@ -212,7 +232,7 @@ class Speculator:
         live, pending = {}, []
         off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
         for seq in running:
-            seq.draft_token_ids, seq.draft_masks = [], []
+            seq.draft_token_ids, seq.draft_masks, seq.draft_logits = [], [], None
             k, wait = live[seq.seq_id] = self.draft_len.get(seq.seq_id, (c.num_speculative_tokens, 0))
             if off or not self.eligible(seq):
                 continue
@@ -228,9 +248,16 @@ class Speculator:
         self.draft_len = live   # finished and preempted sequences drop out here
         self.proposer.propose(pending, running)
         for seq, _ in pending:
-            if seq.draft_token_ids and seq.matcher is not None:
-                seq.draft_token_ids, ahead = walk_grammar(seq.matcher, seq.draft_token_ids)
-                seq.draft_masks = ahead if seq.draft_token_ids else []
+            drafts = seq.draft_token_ids
+            if drafts and seq.matcher is not None:
+                kept, ahead = walk_grammar(seq.matcher, drafts)
+                if seq.draft_logits is not None and len(kept) < len(drafts) and not ahead[-1].terminated:
+                    kept = drafts[:len(kept) + 1]       # the forbidden draft, rejected for certain
+                    ahead.append(ahead[-1])             # its next row is never emitted
+                seq.draft_token_ids = kept
+                seq.draft_masks = ahead if kept else []
+            if seq.draft_logits is not None:
+                seq.draft_logits = seq.draft_logits[:len(seq.draft_token_ids)] if seq.draft_token_ids else None
 
     def verify(self, results: list[SampleResult], failures):
         """The sampler's per-row results (DraftPosition rows included) -> per-sequence tokens to append."""
@@ -253,7 +280,8 @@ class Speculator:
             group.sort(key=lambda r: r.seq.offset)
             drafts = seq.draft_token_ids
             accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == group[accepted].token_id:
+            # a group verified by rejection sampling holds only its emitted tokens (accepted drafts + 1)
+            while accepted < len(drafts) and accepted + 1 < len(group) and drafts[accepted] == group[accepted].token_id:
                 accepted += 1
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
@@ -277,11 +305,11 @@ class Speculator:
             if not drafts:
                 continue
             accepted = getattr(seq, "num_accepted_drafts", 0)
-            seq.draft_token_ids, seq.draft_masks, seq.num_accepted_drafts = [], [], 0
+            seq.draft_token_ids, seq.draft_masks, seq.draft_logits, seq.num_accepted_drafts = [], [], None, 0
             if seq.is_finished or not seq.block_table:
                 continue
             # the output processor appended accepted + 1 tokens, or fewer where a stop rule ended it
             seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
             block_manager.truncate(seq, seq.num_tokens)
         for seq in running:
-            seq.draft_token_ids, seq.draft_masks = [], []
+            seq.draft_token_ids, seq.draft_masks, seq.draft_logits = [], [], None

@@ -1,7 +1,10 @@
 """`--speculative-config`: vLLM's JSON for speculative decoding, parsed and checked once, where it enters
 (EngineConfig). Two proposers: n-gram prompt lookup (`"method": "ngram"`) and a draft model (`"model": PATH`,
 method omitted or vLLM's `"draft_model"`; our key `"weights"` picks the draft's weight path, as `--weights`
-does the target's: auto | quantized | float32)."""
+does the target's: auto | quantized | float32). `"acceptance_method"` picks how a draft model's drafts are
+verified: vLLM's `"rejection_sampler"` (the default: accept with min(1, p/q), the maximal acceptance rate, the
+target's distribution exactly) or our `"coupled"` (accept iff the draft equals the target's own keyed draw: the
+output is the output without speculation, token for token). For n-gram drafts (one-hot q) they are one rule."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16      # ops.rejection_sample's bound on drafts per sequence
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-         "model", "weights")
+         "model", "weights", "acceptance_method")
 _WEIGHTS = ("auto", "quantized", "float32")
+# vLLM's name -> ops.rejection_sample's rule
+ACCEPTANCE_METHODS = {"rejection_sampler": "rejection", "coupled": "coupled"}
 
 
 def _positive_int(raw: dict, key: str) -> int | None:
@@ -34,6 +39,12 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     model: str | None = None        # the draft model (method "draft_model")
     weights: str = "auto"           # the draft's weight path
+    acceptance_method: str = "rejection_sampler"
+
+    @property
+    def rule(self) -> str:
+        """ops.rejection_sample's rule for the draft model's drafts."""
+        return ACCEPTANCE_METHODS[self.acceptance_method]
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -70,6 +81,10 @@ class SpeculativeConfig:
         if weights not in _WEIGHTS or model is None and "weights" in value:
             raise ValueError(f"speculative_config.weights (the draft model's) must be one of {_WEIGHTS}, "
                              f"got {weights!r}" + ("" if model else " without a model"))
+        acceptance = value.get("acceptance_method", "rejection_sampler")
+        if acceptance not in ACCEPTANCE_METHODS:
+            raise ValueError(f"speculative_config.acceptance_method must be one of "
+                             f"{tuple(ACCEPTANCE_METHODS)}, got {acceptance!r}")
         k = _positive_int(value, "num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required")
@@ -84,4 +99,4 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo, _positive_int(value, "disable_by_batch_size"), model, weights)
+        return cls(method, k, hi, lo, _positive_int(value, "disable_by_batch_size"), model, weights, acceptance)

@@ -125,3 +125,24 @@ def assert_rounded_equal(actual: torch.Tensor, exact: torch.Tensor, dtype: torch
         assert worst <= 1, f"more than 1 bf16 ulp away: {worst}"
     else:
         assert torch.equal(a, e), f"not the once-rounded value: max diff {(a.double() - e.double()).abs().max()}"
+
+
+def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit of sampled `tokens` to `probs` (the samplers' tests): cells of expected count
+    below 5 are pooled into one; a drawn token of probability zero fails outright ("outside the kept set"),
+    and a single possible outcome has nothing to fit (1.0)."""
+    counts = torch.bincount(tokens.cpu().flatten(), minlength=probs.numel()).double()
+    probs = probs.cpu().double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"drew tokens outside the kept set: {torch.nonzero(counts * ~support)}"
+    expected = probs * tokens.numel()
+    big = expected >= 5
+    small = support & ~big
+    observed = torch.cat([counts[big], counts[small].sum().reshape(1)])
+    wanted = torch.cat([expected[big], expected[small].sum().reshape(1)])
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    if observed.numel() < 2:
+        return 1.0
+    stat = float(((observed - wanted) ** 2 / wanted).sum())
+    return float(torch.special.gammaincc(torch.tensor((observed.numel() - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

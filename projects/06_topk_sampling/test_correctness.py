@@ -19,7 +19,7 @@ import torch
 
 import kernel_lab.ops.sampling as sampling_mod
 from kernel_lab.harness.compile import TARGETS, check_no_spills, compile_module
-from kernel_lab.harness.testing import case_seed, randn
+from kernel_lab.harness.testing import case_seed, chi_square_pvalue, randn
 from kernel_lab.ops import sample, topk
 from kernel_lab.ops.sampling import sample_plan, topk_plan
 
@@ -52,28 +52,6 @@ def kept_distribution(x_row: torch.Tensor, temperature: float, top_k: int = 0, t
     probs = torch.zeros(vocab, dtype=torch.float64)
     probs[order[:n_keep]] = e[:n_keep] / e[:n_keep].sum()
     return probs
-
-
-def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of sampled `tokens` against `probs`; bins with expected count < 5 are
-    pooled. Also asserts that no token of probability zero was drawn."""
-    n = tokens.numel()
-    counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
-    support = probs > 0
-    assert counts[~support].sum() == 0, f"drew tokens outside the kept set: {torch.nonzero(counts * ~support)}"
-    expected = probs * n
-    big = expected >= 5
-    observed, wanted = list(counts[big]), list(expected[big])
-    small = support & ~big
-    if small.any():
-        observed.append(counts[small].sum())
-        wanted.append(expected[small].sum())
-    observed, wanted = torch.tensor(observed), torch.tensor(wanted)
-    assert observed.numel() >= 2, "a goodness-of-fit test needs at least two bins"
-    stat = float(((observed - wanted) ** 2 / wanted).sum())
-    dof = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chi_square_survival_function_matches_tabulated_quantiles():

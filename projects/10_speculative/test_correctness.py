@@ -27,7 +27,7 @@ import kernel_lab.ops.speculative_kernel as spec_kernel
 from kernel_lab.engine.logits_processors import apply_min_p as engine_apply_min_p
 from kernel_lab.harness.compile import check_no_spills, compile_module
 from kernel_lab.harness.env import interpreter_active
-from kernel_lab.harness.testing import case_seed, empty_poisoned
+from kernel_lab.harness.testing import case_seed, chi_square_pvalue, empty_poisoned
 from kernel_lab.ops import rejection_sample, sample
 from kernel_lab.ops.keyed_random import accept_uniform, race_exponentials
 from kernel_lab.ops.speculative_kernel import _accept_uniforms, _exponential_tile
@@ -63,25 +63,6 @@ def kept_probs(row: torch.Tensor, temperature: float, top_k: int = 0, top_p: flo
     out = torch.zeros(vocab, dtype=torch.float64)
     out[order] = e / e.sum()
     return out
-
-
-def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson goodness of fit of `tokens` to `probs`, cells of expected count < 5 merged into one; a token of
-    probability zero fails outright."""
-    counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, f"drew impossible tokens {torch.nonzero((probs == 0) & (counts > 0))}"
-    expected = probs * tokens.numel()
-    big = expected >= 5
-    cells_obs = torch.cat([counts[big], counts[~big & (probs > 0)].sum().reshape(1)])
-    cells_exp = torch.cat([expected[big], expected[~big & (probs > 0)].sum().reshape(1)])
-    keep = cells_exp > 0
-    cells_obs, cells_exp = cells_obs[keep], cells_exp[keep]
-    if cells_obs.numel() < 2:
-        return 1.0  # one possible outcome: nothing to fit
-    stat = float(((cells_obs - cells_exp) ** 2 / cells_exp).sum())
-    dof = cells_obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chi_square_pvalue_matches_tabulated_quantiles():

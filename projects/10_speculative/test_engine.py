@@ -6,6 +6,7 @@ past its length after a step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,9 @@ from kernel_lab.engine import LLMEngine, SamplingParams
 from kernel_lab.engine.block_manager import chain_hash
 from kernel_lab.engine.speculative import PROBE_INTERVAL, DraftPosition, NoSpeculation, Speculator, next_draft_len
 from kernel_lab.engine.speculative_config import SpeculativeConfig
+from kernel_lab.harness.testing import chi_square_pvalue
+
+ALPHA = 1e-3   # test_correctness.py's level for its chi-square checks
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reference_only")
 
@@ -510,8 +514,9 @@ def draft_proposer(engine):
     return DraftModelProposer(str(default_model_path()), "auto", engine.config)
 
 
-def _draft(engine, proposer, k: int) -> Speculator:
-    c = SpeculativeConfig.parse({"model": "bundled", "num_speculative_tokens": k})
+def _draft(engine, proposer, k: int, method: str = "coupled") -> Speculator:
+    c = SpeculativeConfig.parse({"model": "bundled", "num_speculative_tokens": k, "acceptance_method": method})
+    proposer.rule = c.rule
     return Speculator(c, engine.config.max_model_len, proposer)
 
 
@@ -569,6 +574,11 @@ def test_draft_model_under_preemption_aborts_and_a_short_budget(draft_proposer):
 
     _run(small, BASE, params, _draft(small, proposer, 4), abort)
     assert aborted
+    before = small.scheduler.num_preemptions      # rejection sampling: both pools whole at the end too
+    _run(small, BASE, params, _draft(small, proposer, 4, "rejection_sampler"))
+    assert small.scheduler.num_preemptions > before
+    _run(small, BASE, params, _draft(small, proposer, 4, "rejection_sampler"), abort)
+    assert len(aborted) > 1
 
 
 def test_draft_model_speculates_structured_outputs(engine, draft_proposer):
@@ -593,3 +603,106 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(engine):
                              num_kv_blocks=c.num_kv_blocks, seed=0, vocab_size=c.vocab_size + 7)
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 49152 tokens"):
         DraftModelProposer(str(default_model_path()), "auto", target)
+
+
+# ------------------------------------------------------------------------------------ the rejection rule
+SAMPLED = [SamplingParams(max_tokens=14, temperature=0.8, seed=11, ignore_eos=True),
+           SamplingParams(max_tokens=14, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True, n=2, logprobs=2),
+           SamplingParams(max_tokens=14, temperature=1.0, top_k=20, min_p=0.05, seed=5, ignore_eos=True,
+                          repetition_penalty=1.2)]
+
+
+def test_draft_model_rejection_is_reproducible_in_any_batch_and_accepts_more_than_coupled(engine, draft_proposer):
+    """Under vLLM's rejection_sampler, a seeded request's text is the same in a batch of six, reversed among
+    filler requests, and twice; its acceptance is at least the coupled rule's (whose CPU draws couple badly:
+    README, "Acceptance"); logprobs are the target's at the emitted tokens."""
+    prompts = BASE[:6]
+    seen, coupled_seen = [], []
+    first = _tokens(_run(engine, prompts, SAMPLED, _draft(engine, draft_proposer, 4, "rejection_sampler"),
+                         verified=seen))
+    _run(engine, prompts, SAMPLED, _draft(engine, draft_proposer, 4, "coupled"), verified=coupled_seen)
+    filler = [f"filler {i}: " + p for i, p in enumerate(BASE)]
+    mixed_prompts = filler[:3] + prompts[::-1] + filler[3:]
+    mixed_params = [SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)] * 3 + \
+        [SAMPLED[(len(prompts) - 1 - i) % len(SAMPLED)] for i in range(len(prompts))] + \
+        [SamplingParams(max_tokens=6, temperature=0)] * 5
+    mixed = _run(engine, mixed_prompts, mixed_params, _draft(engine, draft_proposer, 4, "rejection_sampler"))
+    again = {f"r{i}": mixed[f"r{3 + len(prompts) - 1 - i}"] for i in range(len(prompts))}
+    assert _tokens(again) == first
+    rate = sum(a for _, _, a in seen) / sum(d for _, d, _ in seen)
+    coupled = sum(a for _, _, a in coupled_seen) / sum(d for _, d, _ in coupled_seen)
+    assert rate > 0.6 and rate >= coupled, (rate, coupled)
+    reference = _run(engine, [prompts[1]], [SamplingParams(max_tokens=1, temperature=0, logprobs=2)], None)
+    for completion in again["r1"].outputs:          # logprobs=2: entries are the raw model's at emitted tokens
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry
+    # the first token comes from the prompt's last row (float32 GEMMs: bits depend on the batch's rows)
+    want, got = reference["r0"].outputs[0].logprobs[0], again["r1"].outputs[0].logprobs[0]
+    assert want.keys() == got.keys()
+    assert all(abs(want[t].logprob - got[t].logprob) < 1e-4 and want[t].rank == got[t].rank for t in want)
+
+
+def _position_one_pvalue(engine, proposer, prompt_ids: list[int], sequences: int) -> tuple[float, float]:
+    """(chi-square p-value, acceptance) of output token 1 (the first speculated position) under rejection,
+    grouped by token 0, against the target's top-3 distribution there. The draft's logits are pushed far
+    from the target's (+2 on even token ids), so q differs from p and the residual matters."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, n=20, ignore_eos=True)
+    per_request = params.n
+    seen = []
+    process = proposer.runner.sampler.process
+
+    def skewed(logits, seqs, temperature):
+        out = process(logits, seqs, temperature).clone()
+        out[:, 0::2] += 2.0
+        return out
+
+    proposer.runner.sampler.process = skewed
+    try:
+        runs = [_run(engine, [prompt_ids], [replace(params, seed=1000 + i)],
+                     _draft(engine, proposer, 2, "rejection_sampler"), verified=seen)
+                for i in range(sequences // per_request)]
+    finally:
+        proposer.runner.sampler.process = process
+    by_first: dict[int, list[int]] = {}
+    for final in runs:
+        for c in final["r0"].outputs:
+            by_first.setdefault(c.token_ids[0], []).append(c.token_ids[1])
+    stat_p = []
+    for t0, seconds in by_first.items():
+        if len(seconds) < 30:
+            continue
+        ref = _run(engine, [prompt_ids + [t0]], [SamplingParams(max_tokens=1, temperature=0, logprobs=3)], None)
+        top = ref["r0"].outputs[0].logprobs[0]
+        ids = sorted(top, key=lambda t: top[t].rank)[:3]
+        probs = torch.zeros(engine.config.vocab_size, dtype=torch.float64)
+        probs[ids] = torch.softmax(torch.tensor([top[t].logprob for t in ids], dtype=torch.float64), 0)
+        stat_p.append(chi_square_pvalue(torch.tensor(seconds), probs))
+    assert stat_p, by_first
+    rate = sum(a for _, _, a in seen) / sum(d for _, d, _ in seen)
+    return min(stat_p) * len(stat_p), rate       # Bonferroni over the groups
+
+
+def test_draft_model_rejection_is_distributed_as_the_target_and_the_check_has_teeth(engine, draft_proposer,
+                                                                                     monkeypatch):
+    import kernel_lab.ops.speculative as spec_ops
+
+    prompt = engine.tokenizer.encode("The weather today is", add_special_tokens=False)
+    pvalue, rate = _position_one_pvalue(engine, draft_proposer, prompt, 400)
+    assert pvalue > ALPHA and 0.05 < rate < 0.95, (pvalue, rate)
+    monkeypatch.setattr(spec_ops, "_residual", lambda p, q: p)      # the seeded bug: the residual is p
+    pvalue_bug, _ = _position_one_pvalue(engine, draft_proposer, prompt, 400)
+    assert pvalue_bug < ALPHA, pvalue_bug
+
+
+def test_draft_model_rejection_speculates_structured_outputs(engine, draft_proposer):
+    """Seeded sampling under rejection: the grammar's rows mask p, the draft (unconstrained) proposes
+    forbidden tokens too, which stay as the last draft and are rejected; every output stays valid."""
+    pytest.importorskip("xgrammar")
+    params = [replace(p, temperature=0.7, seed=21 + i) for i, p in enumerate(_structured_params())]
+    seen = []
+    spec = _run(engine, STRUCTURED_PROMPTS, params, _draft(engine, draft_proposer, 4, "rejection_sampler"),
+                verified=seen)
+    assert sum(a for c, _, a in seen if c) > 0, seen
+    for rid, out in spec.items():
+        _check_structured(int(rid[1:]) % len(params), out.outputs[0].text)

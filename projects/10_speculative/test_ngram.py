@@ -38,6 +38,8 @@ def test_config_parses_vllm_json_and_dicts():
     ({"model": "/d.gguf", "num_speculative_tokens": 4, "weights": "int4"}, "speculative_config.weights"),
     ({"method": "ngram", "num_speculative_tokens": 4, "weights": "float32"}, "speculative_config.weights"),
     ({"method": "eagle", "num_speculative_tokens": 4}, "speculative_config.method"),
+    ({"model": "/d.gguf", "num_speculative_tokens": 4, "acceptance_method": "typical_acceptance_sampler"},
+     "speculative_config.acceptance_method"),
     ({"num_speculative_tokens": 4}, "speculative_config.method"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
@@ -61,6 +63,10 @@ def test_draft_model_config():
     assert SpeculativeConfig.parse({"model": "/d.gguf", "num_speculative_tokens": 2, "weights": "float32"}
                                    ).weights == "float32"
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).model is None
+    # vLLM's rejection sampler unless asked otherwise
+    assert SpeculativeConfig.parse({"model": "/d.gguf", "num_speculative_tokens": 2}).rule == "rejection"
+    assert SpeculativeConfig.parse({"model": "/d.gguf", "num_speculative_tokens": 2,
+                                    "acceptance_method": "coupled"}).rule == "coupled"
 
 
 @pytest.mark.parametrize("tokens, lo, hi, k, expected", [
