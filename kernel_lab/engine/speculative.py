@@ -30,6 +30,7 @@ still in prefill.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 from .ngram_proposer import propose_ngram
@@ -187,20 +188,82 @@ def make_speculator(engine_config):
     return Speculator(config, engine_config.max_model_len, proposer)
 
 
-# A sequence whose drafts all fail proposes none for this many of its steps, then probes with one draft.
+# A sequence whose drafts are not worth verifying proposes none for this many of its steps, then probes with
+# one; each probe rejected in a row doubles the wait, up to 8 times this.
 PROBE_INTERVAL = 8
+MAX_PROBE_BACKOFF = 3
+ACCEPTANCE_PRIOR = (2.0, 3.0)   # (accepted, trials) before a sequence's first verify: acceptance 2/3
+ACCEPTANCE_MEMORY = 0.9         # each verify's weight in the estimate decays by this per later verify
+# A draft row's cost in tokens of throughput until the step timings have fitted one (StepCost), and always for
+# sequences whose text depends on their draft schedule (seeded sampling verified by rejection sampling).
+DEFAULT_ROW_COST = 0.25
 
 
-def next_draft_len(k: int, k_max: int, drafted: int, accepted: int) -> int:
-    """How many drafts a sequence proposes next, from its last verify (additive increase, multiplicative
-    decrease): all `drafted` accepted -> one more (up to k_max); none -> half of k (0: it waits
-    PROBE_INTERVAL steps, then tries 1); some -> one more than were accepted. So a workload whose drafts never
-    match soon stops paying for k + 1 rows a step, and one that matches runs at k_max."""
-    if accepted >= drafted:
-        return min(k_max, max(k, drafted) + 1)
-    if accepted == 0:
-        return k // 2
-    return min(k_max, accepted + 1)
+def draft_length(acceptance: float, row_cost: float, k_max: int) -> int:
+    """The number of drafts worth verifying: draft d is emitted only if the d - 1 before it were accepted,
+    probability acceptance^d (taking positions alike), and it costs one more row, worth `row_cost` tokens of
+    the step's output; so the longest d <= k_max with acceptance^d > row_cost."""
+    d, emitted = 0, acceptance
+    while d < k_max and emitted > row_cost:
+        d += 1
+        emitted *= acceptance
+    return d
+
+
+class StepCost:
+    """Least squares of a decode-only step's wall time on its rows, exponentially forgotten (weight 0.98 per
+    later step): seconds = a + b * rows. `row_cost(n)` is one more row's cost in tokens of a step of n
+    decoding sequences, b * n / (a + b * n): at batch 1 the marginal row over the step, and toward 1 as a large
+    batch's rows dominate the step (where a draft must almost surely be accepted to pay). The fit holds while
+    the rows vary; when they stop (drafting off), the last fit stays."""
+
+    def __init__(self, memory: float = 0.98):
+        self.memory = memory
+        self.sums = [0.0] * 5           # weights, rows, rows^2, seconds, rows * seconds
+        self.fit: tuple[float, float] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self.sums[i] = self.sums[i] * self.memory + v
+        w, r, rr, t, rt = self.sums
+        spread = rr / w - (r / w) ** 2
+        if w >= 8 and spread >= 0.25:
+            b = (rt / w - r / w * t / w) / spread
+            a = t / w - b * r / w
+            if b > 0 and a > 0:
+                self.fit = (a, b)
+
+    def row_cost(self, rows: int) -> float:
+        if self.fit is None:
+            return DEFAULT_ROW_COST
+        a, b = self.fit
+        return b * rows / (a + b * rows)
+
+
+class DraftState:
+    """A running sequence's acceptance estimate (decayed counts of accepted drafts and of trials: drafts up
+    to and including the first rejected one) and the steps it waits before probing again."""
+
+    __slots__ = ("accepted", "trials", "wait", "failed_probes")
+
+    def __init__(self):
+        self.accepted, self.trials = ACCEPTANCE_PRIOR
+        self.wait = self.failed_probes = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
+
+    def probe(self) -> int:
+        """Start a one-draft probe; the wait before the next doubles with each rejected probe in a row."""
+        self.wait = PROBE_INTERVAL << min(self.failed_probes, MAX_PROBE_BACKOFF)
+        return 1
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.wait:       # a verify while waiting is the probe's
+            self.failed_probes = self.failed_probes + 1 if accepted == 0 else 0
+        self.accepted = self.accepted * ACCEPTANCE_MEMORY + accepted
+        self.trials = self.trials * ACCEPTANCE_MEMORY + accepted + (accepted < drafted)
 
 
 class Speculator:
@@ -213,8 +276,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
-        # seq_id -> (drafts to propose next, steps left to wait when that is 0); only running sequences
-        self.draft_len: dict[int, tuple[int, int]] = {}
+        self.draft_len: dict[int, DraftState] = {}     # only running sequences
+        self.step_cost = StepCost()
+        self._step_started = 0.0
 
     def stats_fields(self) -> dict:
         return {"spec_decode": self.counters()}
@@ -227,18 +291,35 @@ class Speculator:
     def eligible(self, seq) -> bool:
         return seq.params.max_tokens != 0 and seq.num_tokens - seq.num_computed_tokens == 1
 
+    def schedule_fixed(self, seq) -> bool:
+        """Whether the sequence's text depends on where it drafts: seeded sampling verified by rejection
+        sampling (each verified position draws differently from a plain one). Its draft lengths then follow
+        its acceptance alone, never the step timings, so that it reproduces."""
+        return (self.config.model is not None and self.config.rule == "rejection" and not seq.params.greedy
+                and seq.params.seed is not None)
+
     def propose(self, running) -> None:
+        """Draft lengths (draft_length, from each sequence's acceptance and the step's measured row cost, or a
+        probe of one draft every PROBE_INTERVAL steps where that is 0), then the proposer's drafts."""
         c = self.config
+        self._step_started = time.perf_counter()
         live, pending = {}, []
         off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
+        row_cost = self.step_cost.row_cost(len(running))
         for seq in running:
             seq.draft_token_ids, seq.draft_masks, seq.draft_logits = [], [], None
-            k, wait = live[seq.seq_id] = self.draft_len.get(seq.seq_id, (c.num_speculative_tokens, 0))
+            state = live[seq.seq_id] = self.draft_len.get(seq.seq_id) or DraftState()
             if off or not self.eligible(seq):
                 continue
+            k = draft_length(state.acceptance, DEFAULT_ROW_COST if self.schedule_fixed(seq) else row_cost,
+                             c.num_speculative_tokens)
             if k == 0:
-                live[seq.seq_id] = (0, wait - 1) if wait > 1 else (1, 0)
-                continue
+                if state.wait > 0:
+                    state.wait -= 1
+                    continue
+                k = state.probe()
+            else:
+                state.wait = 0
             # no draft past max_tokens (each step emits drafts + 1) or past the model's length
             if seq.params.max_tokens is not None:
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -291,15 +372,18 @@ class Speculator:
             for r in group[:accepted + 1]:
                 out.append(SampleResult(seq, r.token_id, r.logprob, r.top_logprobs, r.rank))
             seq.num_accepted_drafts = accepted
-            k, _ = self.draft_len.get(seq.seq_id, (self.config.num_speculative_tokens, 0))
-            k = next_draft_len(k, self.config.num_speculative_tokens, len(drafts), accepted)
-            self.draft_len[seq.seq_id] = (k, PROBE_INTERVAL if k == 0 else 0)
+            state = self.draft_len.get(seq.seq_id)
+            if state is not None:
+                state.update(len(drafts), accepted)
         return out, failed
 
     def rollback(self, batch, block_manager, running) -> None:
         """After the output processor appended the tokens: the accepted drafts' K/V count as computed; the
         rejected ones' slots are given back with every block past the sequence's new length. Drafts of
-        running sequences the budget left out of the step are dropped too: no draft outlives its step."""
+        running sequences the budget left out of the step are dropped too: no draft outlives its step. A
+        decode-only step's rows and wall time (since `propose`) feed the row-cost fit."""
+        if batch.items and all(n == 1 + len(seq.draft_token_ids) for seq, n in batch.items):
+            self.step_cost.add(sum(n for _, n in batch.items), time.perf_counter() - self._step_started)
         for seq, _ in batch.items:
             drafts = seq.draft_token_ids
             if not drafts:

@@ -14,7 +14,16 @@ import torch
 
 from kernel_lab.engine import LLMEngine, SamplingParams
 from kernel_lab.engine.block_manager import chain_hash
-from kernel_lab.engine.speculative import PROBE_INTERVAL, DraftPosition, NoSpeculation, Speculator, next_draft_len
+from kernel_lab.engine.speculative import (
+    DEFAULT_ROW_COST,
+    PROBE_INTERVAL,
+    DraftPosition,
+    DraftState,
+    NoSpeculation,
+    Speculator,
+    StepCost,
+    draft_length,
+)
 from kernel_lab.engine.speculative_config import SpeculativeConfig
 from kernel_lab.harness.testing import chi_square_pvalue
 
@@ -289,41 +298,69 @@ def test_identical_under_preemption_and_a_short_token_budget(engine, budget):
     assert _tokens(spec) == _tokens(base)
 
 
-@pytest.mark.parametrize("k,drafted,accepted,expected", [
-    (4, 4, 4, 4), (3, 3, 3, 4), (2, 1, 1, 3),     # all accepted: one more, up to k_max = 4
-    (4, 4, 0, 2), (2, 2, 0, 1), (1, 1, 0, 0),     # none accepted: half
-    (4, 4, 2, 3), (4, 3, 1, 2)])                  # some: one more than were accepted
-def test_draft_length_rule(k, drafted, accepted, expected):
-    assert next_draft_len(k, 4, drafted, accepted) == expected
+@pytest.mark.parametrize("acceptance,row_cost,expected", [
+    (0.9, 0.3, 4), (0.675, 0.3, 3), (0.5, 0.3, 1), (0.23, 0.3, 0),   # the longest d with acceptance^d > cost
+    (0.5, 0.2, 2), (0.99, 0.99, 0), (1.0, 0.5, 4), (0.0, 0.0, 0)])
+def test_draft_length_rule(acceptance, row_cost, expected):
+    assert draft_length(acceptance, row_cost, 4) == expected
+
+
+def test_step_cost_fits_the_row_cost_and_keeps_it_when_rows_stop_varying():
+    cost = StepCost()
+    assert cost.row_cost(1) == DEFAULT_ROW_COST                  # no timings yet
+    for _ in range(20):
+        cost.add(1, 0.004)
+    assert cost.fit is None                                       # rows never varied: nothing to fit
+    for i in range(40):                                           # 4 ms a step + 1 ms a row
+        rows = 1 + i % 5
+        cost.add(rows, 0.003 + 0.001 * rows)
+    a, b = cost.fit
+    assert abs(a - 0.003) < 1e-9 and abs(b - 0.001) < 1e-9
+    assert abs(cost.row_cost(1) - 0.25) < 1e-6 and abs(cost.row_cost(16) - 16 / 19) < 1e-6
+    for _ in range(300):                                          # drafting off: the last fit stays
+        cost.add(1, 0.004)
+    assert cost.fit == pytest.approx((a, b))
+
+
+def _state_seq(seq_id, params):
+    tokens = [5, 6, 7] * 4
+    return SimpleNamespace(seq_id=seq_id, params=params, matcher=None, token_ids=tokens, num_tokens=len(tokens),
+                           num_computed_tokens=len(tokens) - 1, num_output_tokens=0, draft_token_ids=[])
 
 
 def test_a_sequence_whose_drafts_fail_stops_drafting_then_probes(engine):
-    """Drive the Speculator's state by hand on a sequence whose n-grams always match: at k = 0 it proposes
-    nothing for PROBE_INTERVAL of its steps, then probes with one draft; a full accept grows k by one, a
-    miss halves it, and a sequence that is no longer running is forgotten."""
+    """Drive the Speculator's state by hand on a sequence whose n-grams always match: it starts from the
+    prior's acceptance; misses lower it until no draft pays, then it proposes nothing for PROBE_INTERVAL of
+    its steps and probes with one; hits raise it again; a sequence no longer running is forgotten."""
     s = _speculator(engine, 4)
-    tokens = [5, 6, 7] * 4
-    seq = SimpleNamespace(seq_id=7, params=SamplingParams(max_tokens=40, temperature=0), matcher=None,
-                          token_ids=tokens, num_tokens=len(tokens), num_computed_tokens=len(tokens) - 1,
-                          num_output_tokens=0, draft_token_ids=[])
+    s.step_cost.fit = (0.003, 0.001)          # a row costs 1/4 of a batch-1 step
+    seq = _state_seq(7, SamplingParams(max_tokens=40, temperature=0))
     s.propose([seq])
-    assert seq.draft_token_ids == [5, 6, 7, 5]                    # a new sequence starts at k_max
-    s.draft_len[seq.seq_id] = (0, PROBE_INTERVAL)
+    assert seq.draft_token_ids == [5, 6, 7]                       # prior 2/3: (2/3)^3 > 1/4 > (2/3)^4
+    state = s.draft_len[seq.seq_id]
+    while state.acceptance ** 1 > 0.25:
+        state.update(3, 0)
+    s.propose([seq])
+    assert seq.draft_token_ids == [5] and state.wait == PROBE_INTERVAL    # the first probe
     for _ in range(PROBE_INTERVAL):
         s.propose([seq])
         assert seq.draft_token_ids == []
-    assert s.draft_len[seq.seq_id] == (1, 0)
     s.propose([seq])
-    assert seq.draft_token_ids == [5]                             # the probe
+    assert seq.draft_token_ids == [5]                             # the next probe
+    for _ in range(12):
+        state.update(4, 4)
+    s.propose([seq])
+    assert seq.draft_token_ids == [5, 6, 7, 5]
     s.propose([])
     assert seq.seq_id not in s.draft_len
 
 
-def test_verify_sets_the_next_draft_length(engine):
-    """verify() feeds next_draft_len: a miss at the first draft halves k, a full accept grows it again."""
+def test_verify_updates_the_acceptance_estimate(engine):
+    """verify() counts a draft position as a trial up to the first rejected one, with decayed memory."""
     from kernel_lab.engine.sampler import SampleResult
     s = _speculator(engine, 4)
     seq = SimpleNamespace(seq_id=3, draft_token_ids=[5, 6, 7, 5], num_accepted_drafts=0)
+    state = s.draft_len[3] = DraftState()
 
     def verify(tokens):
         rows = [SampleResult(DraftPosition(seq, i), t) for i, t in enumerate(tokens)]
@@ -331,12 +368,29 @@ def test_verify_sets_the_next_draft_length(engine):
         assert not failed
         return [r.token_id for r in out]
 
-    assert verify([9, 6, 7, 5, 1]) == [9] and s.draft_len[3] == (2, 0)
+    assert verify([5, 6, 9, 5, 1]) == [5, 6, 9]                  # 2 accepted, the third rejected: 3 trials
+    assert (state.accepted, state.trials) == pytest.approx((2 * 0.9 + 2, 3 * 0.9 + 3))
     seq.draft_token_ids = [5, 6]
-    assert verify([5, 6, 1]) == [5, 6, 1] and s.draft_len[3] == (3, 0)
-    seq.draft_token_ids = [5]
-    assert verify([2, 1]) == [2] and s.draft_len[3] == (1, 0)
-    assert verify([2, 1]) == [2] and s.draft_len[3] == (0, PROBE_INTERVAL)
+    assert verify([5, 6, 1]) == [5, 6, 1]                         # all accepted: 2 trials
+    assert (state.accepted, state.trials) == pytest.approx((3.8 * 0.9 + 2, 5.7 * 0.9 + 2))
+
+
+def test_seeded_rejection_sampled_drafts_ignore_the_step_timings(engine):
+    """A seeded sampled sequence under a draft model's rejection rule takes its draft length from its
+    acceptance and DEFAULT_ROW_COST only (its text depends on where it drafts); others follow the fit."""
+    c = SpeculativeConfig.parse({"model": "bundled", "num_speculative_tokens": 4})
+    s = Speculator(c, engine.config.max_model_len, SimpleNamespace(propose=lambda pending, running: None))
+    s.step_cost.fit = (0.001, 0.01)           # rows so dear that nothing would draft by the fit
+    seeded = _state_seq(1, SamplingParams(max_tokens=40, temperature=0.8, seed=3))
+    greedy = _state_seq(2, SamplingParams(max_tokens=40, temperature=0))
+    assert s.schedule_fixed(seeded) and not s.schedule_fixed(greedy)
+    seen = []
+    s.proposer.propose = lambda pending, running: seen.extend((q.seq_id, k) for q, k in pending)
+    s.propose([seeded, greedy])
+    assert seen == [(1, 3), (2, 1)]           # (2/3)^3 > 1/4; the greedy one: a probe
+    assert not Speculator(SpeculativeConfig.parse({"model": "m", "num_speculative_tokens": 4,
+                                                   "acceptance_method": "coupled"}),
+                          64, s.proposer).schedule_fixed(seeded)
 
 
 def test_no_drafts_in_a_step_with_more_running_than_disable_by_batch_size(engine):
