@@ -10,7 +10,8 @@ per-row LoRA delta in every projection through `kernel_lab.ops.lora.add_lora`.
   side; a slice the adapter leaves out stays zero. Anything it cannot apply exactly is refused with a
   `LoRAAdapterError` naming the adapter and the reason.
 - `LoRAManager` owns `max_loras` slots: per layer and projection one A [max_loras, S, R, K] and one
-  B [max_loras, N, R] tensor in the model's dtype, adapters zero-padded to R = max_lora_rank. An adapter is
+  B [max_loras, N, R] tensor in the model's dtype (on CPU a view of [max_loras, R, N] storage, the C
+  kernel's layout), adapters zero-padded to R = max_lora_rank. An adapter is
   copied into a slot when the scheduler admits a sequence that needs it (load on demand); a slot whose
   adapter no running sequence uses may be taken over, least recently used first. A sequence whose adapter
   finds every slot in use waits (FCFS: the sequences behind it wait too).
@@ -261,7 +262,10 @@ class LoRAManager:
             for name, proj in self.projections.items():
                 a = torch.zeros(max_loras, len(proj.slices), max_lora_rank, proj.in_features, dtype=dtype,
                                 device=device)
-                b = torch.zeros(max_loras, proj.offsets[-1], max_lora_rank, dtype=dtype, device=device)
+                if torch.device(device).type == "cpu":  # [L, R, N] storage: lora.c's expand reads B along N
+                    b = torch.zeros(max_loras, max_lora_rank, proj.offsets[-1], dtype=dtype).transpose(1, 2)
+                else:
+                    b = torch.zeros(max_loras, proj.offsets[-1], max_lora_rank, dtype=dtype, device=device)
                 self.stacks[(i, name)] = (a, b)
                 parent = layer
                 for attr in proj.path[:-1]:

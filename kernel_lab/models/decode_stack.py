@@ -10,9 +10,9 @@ bit-identical to DecoderLayer.forward's, which stays the path for everything els
 It applies to a model whose layers are all the plain DecoderLayer with a SiLU DenseMLP, four unbiased
 single-format quantized projections, no q/k norm, and one attention window; `plan` works that out once per
 model. Per step (`for_step`) it also needs:
-- no LoRA row: the C loop applies no adapter, so a step whose LoRA row map is set (engine/lora.py,
-  `LoRAManager.rows`) takes the DecoderLayer loop, where each LoRALinear adds its delta; a LoRA engine's
-  base-model-only steps (map None) take the stack, through the LoRALinears' base projections;
+- LoRA rows (engine/lora.py, `LoRAManager.rows` set) only with float32 slots on CPU: the C loop then calls
+  kl_lora_bgmv after each projection, as each LoRALinear calls add_lora in the layer loop (the same C kernel,
+  so the same bits); a LoRA engine's base-model-only steps (map None) take the stack without it;
 - every layer's KV cache in one KV_FORMATS format and shape (float32, float16, bfloat16 pages; int8 and
   fp8 pages with their per-layer k_scale and v_scale, passed to kl_rope_write_paged_attention as the layer
   loop passes them); any other mix of caches takes the layer loop.
@@ -29,7 +29,9 @@ import torch
 from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import PackedWeight
 
-LAYER_FIELDS = 14   # as decode_stack.c
+LAYER_FIELDS = 14   # as decode_stack.c, and its LoRA words:
+LORA_HEADER, LORA_PROJECTION = 4, 8
+LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def enabled() -> bool:
@@ -48,9 +50,10 @@ class StackPlan:
         self.qkv_n = _base(first.qkv_proj).packed.shape[0]
         self.q_heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.inter = _base(first.mlp.down_proj).packed.shape[1]
-        self.fns = (ctypes.c_void_p * 4)(*(ctypes.cast(f, ctypes.c_void_p).value for f in (
+        self.fns = (ctypes.c_void_p * 5)(*(ctypes.cast(f, ctypes.c_void_p).value for f in (
             libs["gguf_linear"].kl_gguf_linear, libs["norm_activation"].kl_add_rms_norm_f32,
-            libs["norm_activation"].kl_silu_and_mul_f32, libs["paged_decode_attention"].kl_rope_write_paged_attention)))
+            libs["norm_activation"].kl_silu_and_mul_f32, libs["paged_decode_attention"].kl_rope_write_paged_attention,
+            libs["lora"].kl_lora_bgmv)))
         self.weights = []
         for layer in layers:
             words = [layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), 0, 0, 0, 0]
@@ -61,6 +64,26 @@ class StackPlan:
         self._caches_key = None
         self._layers = None
         self._cache_words = None
+        self._lora = (None, None)
+
+    def lora_words(self, manager):
+        """decode_stack.c's LoRA words for the manager's slots (built once: the slot tensors never move), or
+        None where the C loop cannot apply them (slots not float32, or a projection it does not make)."""
+        if self._lora[0] is manager:
+            return self._lora[1]
+        words = None
+        stacks = [[manager.stacks.get((i, name)) for name in LORA_PROJECTIONS] for i in range(len(self.weights))]
+        if all(ab is not None and ab[0].dtype == ab[1].dtype == torch.float32 and ab[0].is_contiguous()
+               for layer in stacks for ab in layer) and manager.scale.is_contiguous():
+            header = [manager.scale.data_ptr(), manager.max_loras, manager.max_lora_rank, 0]
+            for name in LORA_PROJECTIONS:
+                offsets = manager.projections[name].offsets
+                header += [len(offsets) - 1, *offsets, *[0] * (4 - len(offsets)), *stacks[0][LORA_PROJECTIONS.index(
+                    name)][1].stride()]
+            per_layer = [t.data_ptr() for layer in stacks for ab in layer for t in ab]
+            words = (ctypes.c_int64 * (len(header) + len(per_layer)))(*header, *per_layer)
+        self._lora = (manager, words)
+        return words
 
     def layer_words(self, kv_caches):
         """The per-layer words with this step's cache (and scale) pointers, or None where the caches do not
@@ -119,7 +142,7 @@ def plan(model) -> StackPlan | None:
 
     if type(model).forward is LlamaForCausalLM.forward and len(model.layers) and all(map(plain, model.layers)):
         libs = {name: cpu_kernels.load_library(name)
-                for name in ("decode_stack", "gguf_linear", "norm_activation", "paged_decode_attention")}
+                for name in ("decode_stack", "gguf_linear", "norm_activation", "paged_decode_attention", "lora")}
         if all(lib is not None for lib in libs.values()):
             result = StackPlan(model, libs)
     model.__dict__["_decode_stack_plan"] = result
@@ -127,21 +150,23 @@ def plan(model) -> StackPlan | None:
 
 
 def for_step(model, kv_caches, meta) -> StackPlan | None:
-    """The plan if this step may take the stack (a fused CPU decode step, the stack on and applicable, no LoRA
-    row, the caches as `layer_words` needs them), else None: the DecoderLayer loop."""
+    """The plan if this step may take the stack (a fused CPU decode step, the stack on and applicable, LoRA
+    rows only with slots it can apply, the caches as `layer_words` needs them), else None: the DecoderLayer
+    loop."""
     if not meta.fused_cpu_decode or not enabled():
         return None
     stack = plan(model)
     lora = getattr(model, "lora_manager", None)
-    if stack is None or (lora is not None and lora.rows is not None):
-        return None   # LoRA rows: the C loop would skip the adapters' deltas
+    if stack is None or (lora is not None and lora.rows is not None and stack.lora_words(lora) is None):
+        return None
     return stack if stack.layer_words(kv_caches) is not None else None
 
 
 def run(stack: StackPlan, rope, hidden: torch.Tensor, residual: torch.Tensor, normed_first: bool, kv_caches,
-        meta) -> tuple[torch.Tensor, torch.Tensor]:
+        meta, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, residual) after every layer, as the DecoderLayer loop would leave them. `hidden` is layer 0's
-    input, already normalised by its input norm when `normed_first` (`residual` then the embedding rows)."""
+    input, already normalised by its input norm when `normed_first` (`residual` then the embedding rows).
+    `lora`: the model's LoRAManager, whose row map (int32, contiguous, if set) the C loop applies."""
     layers = stack.layer_words(kv_caches)
     rows, h = hidden.shape
     hidden, residual = hidden.contiguous(), residual.contiguous()
@@ -150,11 +175,14 @@ def run(stack: StackPlan, rope, hidden: torch.Tensor, residual: torch.Tensor, no
     out = torch.empty(2, rows, h, dtype=torch.float32)
     tables = meta.decode_block_tables
     threads = cpu_kernels.step_threads()
+    rows_map = None if lora is None else lora.rows
+    lora_words = None if rows_map is None else stack.lora_words(lora)
     status = stack.lib.kl_decode_stack(
         layers, len(kv_caches), stack.fns, hidden.data_ptr(), residual.data_ptr(), int(normed_first), rows,
         stack._sizes, stack.eps, stack.scale, stack.window, cos.data_ptr(), sin.data_ptr(),
         meta.slot_mapping.data_ptr(), stack._cache_words, tables.data_ptr(), tables.stride(0),
-        meta.decode_seq_lens.data_ptr(), threads, scratch.data_ptr(), out[0].data_ptr(), out[1].data_ptr())
+        meta.decode_seq_lens.data_ptr(), threads, lora_words, None if rows_map is None else rows_map.data_ptr(),
+        scratch.data_ptr(), out[0].data_ptr(), out[1].data_ptr())
     if status != 0:
         raise RuntimeError(f"kl_decode_stack failed with status {status}")
     return out[0], out[1]

@@ -263,11 +263,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         rope = self.rotary(positions)
-        stack = decode_stack.for_step(self, kv_caches, meta)  # None: LoRA rows, other caches, off
+        stack = decode_stack.for_step(self, kv_caches, meta)  # None: the layer loop
         if stack is not None and hidden.dtype == torch.float32:  # the layers as one C call, same bits
             first = self.layers[0]
             normed = ops.rms_norm(hidden, first.input_norm, self.config.rms_norm_eps)
-            hidden, residual = decode_stack.run(stack, rope, normed, hidden, True, kv_caches, meta)
+            hidden, residual = decode_stack.run(stack, rope, normed, hidden, True, kv_caches, meta,
+                                                getattr(self, "lora_manager", None))
         else:
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, cache, meta)

@@ -20,11 +20,12 @@ int8 or fp8 E4M3 KV pages, `KV_FORMATS`, int8 with a scale per token, fp8 per pa
 layer attention with RoPE and the KV write; a call's context spans run on gguf_linear's pool), `gguf_linear.c`
 (quantized GGUF weights, the process's one small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
-projects 01 and 02) and `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
-06). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no OpenMP runtime: torch ships its
-own, and two runtimes in one process fight over threads). Headers beside the sources (`*.h`) are part of
-every build's cache key. `cached_path`/`cached_build` also cache the SIMT host build of the CUDA sources
-(`cuda_host.py`).
+projects 01 and 02), `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
+06), `decode_stack.c` (a decode step's decoder layers in one call) and `lora.c` (multi-LoRA's BGMV delta,
+project 11, on gguf_linear's pool). All are compiled with `-fopenmp-simd` (the `omp simd` pragmas only, no
+OpenMP runtime: torch ships its own, and two runtimes in one process fight over threads). Headers beside the
+sources (`*.h`) are part of every build's cache key. `cached_path`/`cached_build` also cache the SIMT host
+build of the CUDA sources (`cuda_host.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ GGUF_LINEAR_SOURCE = CSRC_CPU / "gguf_linear.c"
 NORM_ACTIVATION_SOURCE = CSRC_CPU / "norm_activation.c"
 TOKEN_BITMASK_SOURCE = CSRC_CPU / "token_bitmask.c"
 DECODE_STACK_SOURCE = CSRC_CPU / "decode_stack.c"
+LORA_SOURCE = CSRC_CPU / "lora.c"
 # Neither extra flag is -ffast-math (no reassociation outside the `omp simd` reductions, NaN/inf kept):
 # -ffp-contract=fast lets a * b + c become one FMA even where the compiler defaults to strict ISO C (GCC with
 # -std=c11 turns contraction off); -fno-trapping-math promises that no code reads floating-point exception
@@ -233,9 +235,19 @@ _SIGNATURES = {
     },
     "decode_stack": {
         # layers, num_layers, fns, hidden, residual, normed_first, rows, sizes, eps, scale, window, cos, sin,
-        # slots, cache, block_tables, table_stride, seq_lens, threads, scratch, out_hidden, out_residual
+        # slots, cache, block_tables, table_stride, seq_lens, threads, lora, row_slots, scratch, out_hidden,
+        # out_residual
         "kl_decode_stack": ([_ptr, _int, _ptr, _ptr, _ptr, _int, _i64, _ptr, ctypes.c_float, ctypes.c_float, _int,
-                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _ptr, _ptr], ctypes.c_int),
+                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr],
+                            ctypes.c_int),
+    },
+    "lora": {
+        # y, ldy, x, ldx, rows, k, n, row_slots, num_slots, a, b, b strides (slot, n, r), weight_format, scale,
+        # num_slices, rank, offsets, threads
+        "kl_lora_bgmv": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _int,
+                          _ptr, _int, _int, _ptr, _int], ctypes.c_int),
+        # gguf_linear's kl_parallel_for (NULL: single-threaded)
+        "kl_lora_use_pool": ([_ptr], None),
     },
     "token_bitmask": {
         # logits, elem_bytes, neg_inf_bits, row_stride, col_stride, vocab, bitmask, mask_stride, rows, n_masks
@@ -249,7 +261,7 @@ def _source(name: str) -> Path:
     # Read at call time, so a test can point SOURCE at another file.
     return {"paged_decode_attention": SOURCE, "gguf_linear": GGUF_LINEAR_SOURCE,
             "norm_activation": NORM_ACTIVATION_SOURCE, "token_bitmask": TOKEN_BITMASK_SOURCE,
-            "decode_stack": DECODE_STACK_SOURCE}[name]
+            "decode_stack": DECODE_STACK_SOURCE, "lora": LORA_SOURCE}[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,9 +277,10 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
             fn = getattr(lib, fn_name)
             fn.argtypes = argtypes
             fn.restype = restype
-        if name == "paged_decode_attention":  # attention's parts run on the projections' pool (one per process)
+        if name in ("paged_decode_attention", "lora"):  # their parts run on the projections' pool (one per process)
             pool = _load("gguf_linear", extra_flags)
-            lib.kl_paged_attention_use_pool(ctypes.cast(pool.kl_parallel_for, ctypes.c_void_p) if pool else None)
+            use_pool = lib.kl_paged_attention_use_pool if name == "paged_decode_attention" else lib.kl_lora_use_pool
+            use_pool(ctypes.cast(pool.kl_parallel_for, ctypes.c_void_p) if pool else None)
     except Exception as exc:  # any build or load failure means: use the reference
         warnings.warn(f"kernel_lab CPU kernels unavailable ({type(exc).__name__}: {exc}); "
                       "using the PyTorch reference", RuntimeWarning, stacklevel=2)
@@ -276,7 +289,8 @@ def _load(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = (
 
 
 def load_library(name: str = "paged_decode_attention", extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The built library `name` (paged_decode_attention, gguf_linear, norm_activation or token_bitmask), or
+    """The built library `name` (paged_decode_attention, gguf_linear, norm_activation, token_bitmask,
+    decode_stack or lora), or
     None (disabled by KERNEL_LAB_CPU_KERNELS=0, or no compiler / failed build). `extra_flags` (after
     -march=native) replace the ones KERNEL_LAB_CPU_ISA picks."""
     if not enabled():

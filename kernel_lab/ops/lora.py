@@ -14,9 +14,12 @@ Two row layouts, one kernel per step: *BGMV* (`row_adapters` [T]: one adapter in
 (`Segments`: runs of rows sharing one adapter, prefill chunks). A program owns one segment (a row, in BGMV)
 and reads its adapter's A and B once. The design and the traffic model: projects/11_multi_lora/README.md.
 
-Dispatch: CUDA tensors (and CPU tensors under TRITON_INTERPRET=1) run the Triton kernels; CPU tensors run
-`_shrink_cpu` / `_expand_cpu`: one matmul per adapter present (per segment in SGMV), in fp32; a BGMV map is
-grouped once per distinct map (a step's 120 projections share one), and each adapter's delta lands in one update.
+Dispatch: CUDA tensors (and CPU tensors under TRITON_INTERPRET=1) run the Triton kernels. On CPU, `add_lora`
+with float32 x and y runs csrc/cpu/lora.c (`add_lora_cpu`: shrink and expand in one C call on gguf_linear's
+pool, the form decode_stack.c calls too); other CPU calls, and any where the C library is unavailable, run
+`_shrink_cpu` / `_expand_cpu`: one torch matmul per adapter present (per segment in SGMV), in fp32; a BGMV map
+is grouped once per distinct map (a step's 120 projections share one), and each adapter's delta lands in one
+update.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_kernels
 from .common import FLOAT_DTYPES, check_same_device, check_tensor, interpreter_active, use_triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -225,6 +229,7 @@ def _shrink_triton(x, lora_a, h, row_adapters, segments) -> None:
 
 def _expand_triton(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -> None:
     starts, lengths, adapters, groups, max_length, per_row = _layout(y.shape[0], row_adapters, segments)
+    lora_b = lora_b if lora_b.stride(-1) == 1 else lora_b.contiguous()  # the kernel reads rank-contiguous rows
     R = lora_b.shape[2]
     widest = max(hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:]))
     tiles = triton.cdiv(widest, _block_n(y.dtype))
@@ -295,6 +300,36 @@ def _expand_cpu(y, h, lora_b, scale, slice_offsets, row_adapters, segments) -> N
             y[rows] = (y[rows].float() + delta).to(y.dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _offset_words(offsets: tuple[int, ...]):
+    return (cpu_kernels.ctypes.c_int64 * len(offsets))(*offsets)
+
+
+def add_lora_cpu(y, x, lora_a, lora_b, scale, offsets: tuple[int, ...], row_adapters, segments,
+                 threads: int | None = None, library=None) -> bool:
+    """csrc/cpu/lora.c's BGMV (SGMV segments as their row map) into y in place, if it applies: CPU float32 x, y,
+    weights and scale. False (nothing written): use the torch path. Shapes and index values are the caller's
+    checks. `threads`: at most this many of the pool's threads (default `cpu_kernels.attention_threads()`); the
+    bits are the same for any count. `library`: another build (the tests' narrowed ISA builds)."""
+    if not (x.dtype == y.dtype == lora_a.dtype == lora_b.dtype == torch.float32 and y.device.type == "cpu"):
+        return False
+    lib = library if library is not None else cpu_kernels.load_library("lora")
+    if lib is None:
+        return False
+    if row_adapters is None:
+        row_adapters = rows_to_adapters(segments, x.shape[0])
+    slots = row_adapters if row_adapters.dtype == torch.int32 and row_adapters.is_contiguous() \
+        else row_adapters.to(torch.int32).contiguous()
+    lora_a, scale = lora_a.contiguous(), scale.contiguous()
+    L, S, R, K = lora_a.shape
+    status = lib.kl_lora_bgmv(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), x.shape[0], K, y.shape[1],
+                              slots.data_ptr(), L, lora_a.data_ptr(), lora_b.data_ptr(), *lora_b.stride(), 0,
+                              scale.data_ptr(), S, R, _offset_words(offsets), cpu_kernels.attention_threads(threads))
+    if status != 0:
+        raise RuntimeError(f"kl_lora_bgmv failed with status {status}")
+    return True
+
+
 # --------------------------------------------------------------------------------------------- validation
 def _check_rows_or_segments(data_name: str, data: torch.Tensor, num_adapters: int, row_adapters, segments,
                             validate) -> None:
@@ -361,8 +396,13 @@ def _check_slice_offsets(slice_offsets, num_slices: int, width: int) -> tuple[in
 
 def _check_weights(name: str, t: torch.Tensor, dtype, ndim: int) -> None:
     check_tensor(name, t, dtypes=(dtype,), ndim=ndim)
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}")
+    if t.stride(-1) == 1:
+        return
+    if name == "lora_b" and t.device.type == "cpu" and t.stride(1) == 1:
+        return  # B stored [L, R, N] (the engine's CPU slots): the C kernel's fast layout, any path reads it
+    raise ValueError(f"{name} must be contiguous in its last dimension (stride 1)"
+                     f"{' (on CPU, or in its second: [L, R, N] storage)' if name == 'lora_b' else ''}, got "
+                     f"strides {t.stride()}")
 
 
 def _check_shrink(x, lora_a, h):
@@ -380,7 +420,8 @@ def _check_shrink(x, lora_a, h):
     check_same_device(x=x, lora_a=lora_a, out=h)
 
 
-def _check_expand(y, h, lora_b, scale, slice_offsets):
+def _check_expand(y, h, lora_b, scale, slice_offsets, num_slices: int | None = None):
+    """The expand's arguments; `num_slices` instead of h (None) where no h exists (add_lora's one C call)."""
     check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=2)
     if y.stride(-1) != 1:
         raise ValueError(f"y is updated in place and must be contiguous in its last dimension, got strides "
@@ -390,11 +431,13 @@ def _check_expand(y, h, lora_b, scale, slice_offsets):
     if N != y.shape[1] or L == 0 or R == 0:
         raise ValueError(f"lora_b must have shape (adapters >= 1, {y.shape[1]} = y's width, rank >= 1), got "
                          f"{tuple(lora_b.shape)}")
-    check_tensor("h", h, dtypes=(torch.float32,), ndim=2)
-    if h.shape[0] != y.shape[0] or h.shape[1] == 0 or h.shape[1] % R or h.stride(-1) != 1:
-        raise ValueError(f"h must be float32 ({y.shape[0]}, slices * {R}) (y's rows, lora_b's rank), contiguous "
-                         f"in its last dimension, got shape {tuple(h.shape)}")
-    offsets = _check_slice_offsets(slice_offsets, h.shape[1] // R, N)
+    if h is not None:
+        check_tensor("h", h, dtypes=(torch.float32,), ndim=2)
+        if h.shape[0] != y.shape[0] or h.shape[1] == 0 or h.shape[1] % R or h.stride(-1) != 1:
+            raise ValueError(f"h must be float32 ({y.shape[0]}, slices * {R}) (y's rows, lora_b's rank), "
+                             f"contiguous in its last dimension, got shape {tuple(h.shape)}")
+        num_slices = h.shape[1] // R
+    offsets = _check_slice_offsets(slice_offsets, num_slices, N)
     check_tensor("scale", scale, dtypes=(torch.float32,), ndim=1)
     if scale.shape[0] != L:
         raise ValueError(f"scale must hold one float32 per adapter ({L}), got shape {tuple(scale.shape)}")
@@ -441,6 +484,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
                          f"has shape {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
     if x.dim() == 2 and y.dim() == 2 and x.shape[0] != y.shape[0]:
         raise ValueError(f"y must have x's {x.shape[0]} rows, got shape {tuple(y.shape)}")
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype == torch.float32 and not use_triton(x):
+        _check_shrink(x, lora_a, None)   # one C call, with the two steps' checks
+        offsets = _check_expand(y, None, lora_b, scale, slice_offsets, num_slices=lora_a.shape[1])
+        _check_rows_or_segments("x", x, lora_a.shape[0], row_adapters, segments, validate)
+        if add_lora_cpu(y, x if x.stride(-1) == 1 else x.contiguous(), lora_a, lora_b, scale, offsets,
+                        row_adapters, segments):
+            return y
     if lora_a.dim() == 4 and x.dim() == 2:  # expand reads only the rows shrink writes: no zero fill needed
         out = torch.empty((x.shape[0], lora_a.shape[1] * lora_a.shape[2]), dtype=torch.float32, device=x.device)
     else:

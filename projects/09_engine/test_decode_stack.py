@@ -1,7 +1,8 @@
 """The fused CPU decode step's layers as one C call (kernel_lab/models/decode_stack.py) leave the model's
 final hidden states bit-identical to the DecoderLayer loop's, prompt steps and decode steps alike, at one
 and two kernel threads, on float32, float16, bfloat16, int8 and fp8 KV pages; a step with LoRA rows takes
-the layer loop (the stack applies no adapter), a LoRA engine's base-only steps take the stack."""
+the stack too (kl_lora_bgmv after each projection, as each LoRALinear's add_lora in the loop), and so does a
+LoRA engine's base-only step."""
 
 from __future__ import annotations
 
@@ -94,13 +95,14 @@ def _adapter(directory, config, seed: int = 5) -> LoRARequest:
     return LoRARequest("stack-test", 1, str(directory))
 
 
-@pytest.mark.usefixtures("reference_only")   # add_lora on CPU: the PyTorch reference, not the interpreter
-def test_lora_rows_take_the_layer_loop_and_base_rows_the_stack(monkeypatch, tmp_path):
+@pytest.mark.usefixtures("reference_only")   # add_lora on CPU: its CPU path, not the interpreter
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lora_rows_take_the_stack_with_the_layer_loops_bits(monkeypatch, tmp_path, threads):
     pytest.importorskip("safetensors")
     request = _adapter(tmp_path / "adapter", _engine().runner.model.config)
-    want, _ = _hidden_states(monkeypatch, False, 1, lora_request=request)
-    got, stacked = _hidden_states(monkeypatch, True, 1, lora_request=request)
-    assert stacked == 0 and len(got) == len(want) == 2 * STEPS
+    want, _ = _hidden_states(monkeypatch, False, threads, lora_request=request)
+    got, stacked = _hidden_states(monkeypatch, True, threads, lora_request=request)
+    assert stacked == len(got) == len(want) == 2 * STEPS
     for g, w in zip(got, want):
         assert torch.equal(g, w), (g - w).abs().max()
     base, _ = _hidden_states(monkeypatch, False, 1)

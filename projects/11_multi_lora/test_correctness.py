@@ -1,7 +1,9 @@
 """Project 11 correctness: batched LoRA (BGMV and SGMV, shrink and expand) vs a float64 per-row reference.
 
-Both paths run here: the Triton kernels (compiled on a GPU, through the interpreter on CPU, see conftest.py)
-and the CPU path (`path="cpu"`: TRITON_INTERPRET unset at call time, so CPU tensors take the torch path).
+Every path runs here: the Triton kernels (compiled on a GPU, through the interpreter on CPU, see conftest.py)
+and the CPU paths, with TRITON_INTERPRET unset at call time: `path="cpu"` (add_lora in float32 runs
+csrc/cpu/lora.c, the rest torch) and `path="cpu-torch"` (KERNEL_LAB_CPU_KERNELS=0: torch everywhere, the
+fallback where no C compiler exists). test_cpu_kernel.py tests the C kernel's own builds and bits.
 Rows of the base model (-1) and rows in no segment must keep y's bits exactly; h is NaN-poisoned before shrink
 and must stay NaN on those rows.
 """
@@ -35,11 +37,14 @@ SEGMENTS = [(8, 4, 2), (0, 1, 4), (13, 2, 1), (4, 1, 0), (1, 3, 2), (5, 2, -1)]
 SEGMENT_ROWS = 15
 
 
-@pytest.fixture(params=["kernel", "cpu"])
+@pytest.fixture(params=["kernel", "cpu", "cpu-torch"])
 def path(request, monkeypatch):
-    """The device of this path's tensors; "cpu" also switches the interpreter off for the call."""
-    if request.param == "cpu":
+    """The device of this path's tensors; "cpu" also switches the interpreter off for the call, and
+    "cpu-torch" the C kernels."""
+    if request.param.startswith("cpu"):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
+        if request.param == "cpu-torch":
+            monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -158,6 +163,7 @@ def test_a_row_map_refilled_in_place_is_grouped_again(monkeypatch):
     """The CPU path groups a row map once and reuses it while the map's values stay the same: a static
     buffer refilled in place (the padded decode batch's) must be grouped again."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KERNEL_LAB_CPU_KERNELS", "0")   # the torch path groups; the C kernel sorts per call
     lora_a, lora_b, scale = make_weights(16, torch.float32, "cpu", 5)
     rows = torch.tensor(ROW_ADAPTERS, dtype=torch.int32)
     x = randn((rows.shape[0], K), torch.float32, "cpu", 6)

@@ -1,0 +1,238 @@
+/* Multi-LoRA's CPU path (project 11, kernel_lab/ops/lora.py): for each row t of a BGMV map with slot
+ * a = row_slots[t] >= 0,
+ *     h[t, s*R + r]   = sum_k x[t, k] * A[a, s, r, k]                          (shrink, fp32)
+ *     y[t, n]        += scale[a] * sum_r h[t, s(n)*R + r] * B[a, n, r]          (expand, s(n): n's slice)
+ * and rows with a = -1 are not touched (their bits stay the base projection's).
+ *
+ * Why C: the torch form ran one small matmul per adapter and per projection, and its dispatch, not its
+ * arithmetic, was the LoRA step's cost (a 30-layer model makes 120 projections a step). Here one call per
+ * projection does both steps, and decode_stack.c calls it between a layer's projections.
+ *
+ * Traffic: each distinct adapter's A and B rows are read once per call (its rows are grouped, so a weight
+ * row read for the group's first row is in L1 for the others); x and h stay in cache.
+ *
+ * Bits: every h sums its k products in LANES fixed partial sums added in a fixed order, and every y column
+ * sums its R products in order r = 0..R-1,
+ * on its own row's values, so a row's result does not depend on the other rows, the thread count or the
+ * split (nor on B's layout).
+ * Work is split over gguf_linear.c's pool (kl_parallel_for, set by cpu_kernels.py as for the attention
+ * library): shrink by ranges of h's columns, expand by ranges of y's columns starting on 16-float (64-byte)
+ * boundaries, so no two threads write one cache line of y.
+ *
+ * Weights are float32 or bfloat16 (`weight_format` 0 or 1, vLLM's lora_dtype; bf16 is widened exactly in
+ * registers); A is [slots, S, R, K], contiguous, and B [slots, N, R] with any strides (in elements). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*parallel_fn)(void (*task)(void *, int, int), void *ctx, int parts);
+static parallel_fn parallel_for;
+
+void kl_lora_use_pool(parallel_fn fn) { parallel_for = fn; }
+
+/* Below this many weight bytes a part, a split costs more in wake-ups than it saves (the work is bound by
+ * reading the weights: a few multiply-adds per byte at decode's row counts). */
+#define MIN_BYTES_PER_PART 16384
+#define MAX_PARTS 64
+
+typedef struct {
+    float *y;
+    int64_t ldy;
+    const float *x;
+    int64_t ldx, k, n;
+    const void *a, *b;
+    int64_t b_stride_slot, b_stride_n, b_stride_r;
+    int weight_format, num_slices, rank;
+    const int64_t *offsets;
+    const float *scale;
+    const int32_t *order;      /* adapted rows grouped by slot: group g is order[group_begin[g] .. group_begin[g+1]) */
+    const int32_t *group_slot;
+    const int32_t *group_begin;
+    int groups;
+    float *h;                  /* [rows, S*R] */
+    int64_t hw;                /* S*R */
+} Lora;
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* h[t, j .. j + SHRINK_J) for one row: SHRINK_J dots over k at once, each in LANES partial sums (one
+ * 512-bit or two 256-bit vectors), so the multiply-adds form independent chains and x is loaded once per
+ * SHRINK_J weight rows; the lanes are then added in a fixed order. */
+#define SHRINK_J 4
+#define LANES 16
+
+static void shrink_row(const Lora *L, const float *x, int64_t slot_base, int64_t j0, int64_t count, float *h) {
+    const int64_t k = L->k, body = k - k % LANES;
+    float acc[SHRINK_J][LANES] = {{0}};
+    for (int64_t c = 0; c < body; c += LANES)
+        for (int64_t jj = 0; jj < count; jj++) {
+            const int64_t w = slot_base + (j0 + jj) * k + c;
+            if (L->weight_format) {
+                const uint16_t *a = (const uint16_t *)L->a + w;
+#pragma omp simd
+                for (int v = 0; v < LANES; v++) acc[jj][v] += x[c + v] * bf16_to_f32(a[v]);
+            } else {
+                const float *a = (const float *)L->a + w;
+#pragma omp simd
+                for (int v = 0; v < LANES; v++) acc[jj][v] += x[c + v] * a[v];
+            }
+        }
+    for (int64_t jj = 0; jj < count; jj++) {
+        const int64_t w = slot_base + (j0 + jj) * k;
+        for (int64_t c = body; c < k; c++)
+            acc[jj][c - body] += x[c] * (L->weight_format ? bf16_to_f32(((const uint16_t *)L->a)[w + c])
+                                                          : ((const float *)L->a)[w + c]);
+        float sum = 0.0f;
+        for (int v = 0; v < LANES; v++) sum += acc[jj][v];
+        h[jj] = sum;
+    }
+}
+
+static void shrink_part(void *ctx, int part, int parts) {
+    const Lora *L = ctx;
+    const int64_t j0 = L->hw * part / parts, j1 = L->hw * (part + 1) / parts;
+    for (int g = 0; g < L->groups; g++) {
+        const int64_t slot_base = (int64_t)L->group_slot[g] * L->hw * L->k;
+        for (int64_t j = j0; j < j1; j += SHRINK_J) {
+            const int64_t count = j1 - j < SHRINK_J ? j1 - j : SHRINK_J;
+            for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
+                const int32_t t = L->order[i];
+                shrink_row(L, L->x + t * L->ldx, slot_base, j, count, L->h + t * L->hw + j);
+            }
+        }
+    }
+}
+
+/* A block of columns sums acc[i] += h[r] * B[r, c0 + i] over r, vectorised over i. B with its n stride 1 in
+ * float32 (stored [slots, R, N], as the engine's CPU slots are) is read in place; any other layout or format
+ * is first copied, 16 ranks at a time, into a tile of that form, so every layout runs the same
+ * multiply-adds and gives the same bits. */
+#define EXPAND_BLOCK 256
+#define TILE_RANKS 16
+
+static inline void axpy(float *acc, float hv, const float *row, int64_t w) {
+#pragma omp simd
+    for (int64_t i = 0; i < w; i++) acc[i] += hv * row[i];
+}
+
+static void expand_columns(const Lora *L, const float *hr, const void *b, int64_t n0, int64_t n1, float sc,
+                           float *yr) {
+    const int64_t R = L->rank, sn = L->b_stride_n, sr = L->b_stride_r;
+    const int in_place = sn == 1 && !L->weight_format;
+    float tile[TILE_RANKS][EXPAND_BLOCK];
+    for (int64_t c0 = n0; c0 < n1; c0 += EXPAND_BLOCK) {
+        const int64_t w = n1 - c0 < EXPAND_BLOCK ? n1 - c0 : EXPAND_BLOCK;
+        float acc[EXPAND_BLOCK] = {0};
+        for (int64_t r0 = 0; r0 < R; r0 += TILE_RANKS) {
+            const int64_t rc = R - r0 < TILE_RANKS ? R - r0 : TILE_RANKS;
+            if (in_place) {
+                for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], (const float *)b + (r0 + r) * sr + c0, w);
+                continue;
+            }
+            for (int64_t r = 0; r < rc; r++)
+                for (int64_t i = 0; i < w; i++) {
+                    const int64_t e = (c0 + i) * sn + (r0 + r) * sr;
+                    tile[r][i] = L->weight_format ? bf16_to_f32(((const uint16_t *)b)[e]) : ((const float *)b)[e];
+                }
+            for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], tile[r], w);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < w; i++) yr[c0 + i] += sc * acc[i];
+    }
+}
+
+static void expand_part(void *ctx, int part, int parts) {
+    const Lora *L = ctx;
+    const int64_t lines = (L->n + 15) / 16;
+    const int64_t n0 = 16 * (lines * part / parts), n1e = 16 * (lines * (part + 1) / parts);
+    const int64_t n1 = n1e < L->n ? n1e : L->n;
+    const size_t esize = L->weight_format ? 2 : 4;
+    for (int g = 0; g < L->groups; g++) {
+        const int32_t slot = L->group_slot[g];
+        const char *b = (const char *)L->b + (size_t)slot * (size_t)L->b_stride_slot * esize;
+        for (int s = 0; s < L->num_slices; s++) {   /* this part's columns of slice s */
+            const int64_t lo = L->offsets[s] > n0 ? L->offsets[s] : n0;
+            const int64_t hi = L->offsets[s + 1] < n1 ? L->offsets[s + 1] : n1;
+            if (lo >= hi) continue;
+            for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
+                const int32_t t = L->order[i];
+                expand_columns(L, L->h + t * L->hw + s * L->rank, b, lo, hi, L->scale[slot], L->y + t * L->ldy);
+            }
+        }
+    }
+}
+
+static int parts_for(int64_t bytes, int64_t units, int threads) {
+    int64_t parts = bytes / MIN_BYTES_PER_PART;
+    if (parts > threads) parts = threads;
+    if (parts > units) parts = units;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    return parts < 1 || !parallel_for ? 1 : (int)parts;
+}
+
+static void run(void (*task)(void *, int, int), Lora *L, int parts) {
+    if (parts > 1)
+        parallel_for(task, L, parts);
+    else
+        task(L, 0, 1);
+}
+
+/* y [rows, n] (row stride ldy) += the LoRA delta of each adapted row of x [rows, k] (ldx); b's element
+ * (slot, n, r) at b_stride_slot * slot + b_stride_n * n + b_stride_r * r; offsets: the
+ * S + 1 slice boundaries of y's columns (0 .. n). Returns 0, -1 for bad sizes, -2 when out of memory. The
+ * caller checked the slots (in [-1, slots)) and the shapes once, where they entered. */
+int kl_lora_bgmv(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t n,
+                 const int32_t *row_slots, int num_slots, const void *a, const void *b, int64_t b_stride_slot,
+                 int64_t b_stride_n, int64_t b_stride_r, int weight_format,
+                 const float *scale, int num_slices, int rank, const int64_t *offsets, int threads) {
+    if (rows < 0 || k < 1 || n < 1 || num_slots < 1 || num_slices < 1 || rank < 1 || offsets[0] != 0 ||
+        offsets[num_slices] != n || (weight_format != 0 && weight_format != 1))
+        return -1;
+    if (rows == 0) return 0;
+    const int64_t hw = (int64_t)num_slices * rank;
+    int32_t *counts = calloc((size_t)num_slots + 1, sizeof *counts);
+    int32_t *order = malloc((size_t)rows * sizeof *order);
+    int32_t *group_slot = malloc((size_t)num_slots * sizeof *group_slot);
+    int32_t *group_begin = malloc(((size_t)num_slots + 1) * sizeof *group_begin);
+    float *h = malloc((size_t)(rows * hw) * sizeof *h);
+    int status = 0;
+    if (!counts || !order || !group_slot || !group_begin || !h) {
+        status = -2;
+        goto done;
+    }
+    int64_t adapted = 0;
+    for (int64_t t = 0; t < rows; t++)
+        if (row_slots[t] >= 0) counts[row_slots[t]]++, adapted++;
+    if (adapted == 0) goto done;
+    /* a counting sort of the adapted rows by slot, each group in row order */
+    int groups = 0, begin = 0;
+    for (int s = 0; s < num_slots; s++) {
+        if (!counts[s]) continue;
+        group_slot[groups] = s;
+        group_begin[groups++] = begin;
+        const int c = counts[s];
+        counts[s] = begin;   /* now the slot's next free position */
+        begin += c;
+    }
+    group_begin[groups] = begin;
+    for (int64_t t = 0; t < rows; t++)
+        if (row_slots[t] >= 0) order[counts[row_slots[t]]++] = (int32_t)t;
+    Lora L = {y, ldy, x, ldx, k, n, a, b, b_stride_slot, b_stride_n, b_stride_r, weight_format, num_slices, rank, offsets, scale,
+              order, group_slot, group_begin, groups, h, hw};
+    const int64_t weight_bytes = groups * (weight_format ? 2 : 4);
+    run(shrink_part, &L, parts_for(weight_bytes * hw * k, hw, threads));
+    run(expand_part, &L, parts_for(weight_bytes * n * rank, (n + 15) / 16, threads));
+done:
+    free(counts);
+    free(order);
+    free(group_slot);
+    free(group_begin);
+    free(h);
+    return status;
+}
