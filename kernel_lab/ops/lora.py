@@ -323,7 +323,7 @@ def add_lora_cpu(y, x, lora_a, lora_b, scale, offsets: tuple[int, ...], row_adap
     lora_a, scale = lora_a.contiguous(), scale.contiguous()
     L, S, R, K = lora_a.shape
     status = lib.kl_lora_bgmv(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), x.shape[0], K, y.shape[1],
-                              slots.data_ptr(), L, lora_a.data_ptr(), lora_b.data_ptr(), *lora_b.stride(), 0,
+                              slots.data_ptr(), L, lora_a.data_ptr(), lora_b.data_ptr(), *lora_b.stride(),
                               scale.data_ptr(), S, R, _offset_words(offsets), cpu_kernels.attention_threads(threads))
     if status != 0:
         raise RuntimeError(f"kl_lora_bgmv failed with status {status}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# llama.cpp's own tools (llama-bench, llama-batched-bench, llama-server), built from the very source the
-# project pins: the llama-cpp-python sdist named in requirements-llamacpp.txt carries llama.cpp's tree (and
-# its git metadata, so the binaries report the commit) under vendor/llama.cpp. `make llama-cpp-env` runs it.
+# llama.cpp's own tools (llama-bench, llama-batched-bench, llama-server, llama-lookup, llama-speculative),
+# built from the very source the project pins: the llama-cpp-python sdist named in requirements-llamacpp.txt
+# carries llama.cpp's tree (and its git metadata, so the binaries report the commit) under vendor/llama.cpp.
+# `make llama-cpp-env` runs it.
 #
 #   bash projects/09_engine/llama_cpp_tools.sh [native|avx2]
 #
@@ -33,7 +34,8 @@ case "$VARIANT" in
   native)
     BUILD=$VENV/llama.cpp/build
     CMAKE_FLAGS="$COMMON -DGGML_NATIVE=ON $AMX_OFF"
-    TARGETS="llama-bench llama-batched-bench llama-server"
+    # llama-lookup (prompt-lookup n-gram drafts) and llama-speculative (a draft model): project 10's baselines
+    TARGETS="llama-bench llama-batched-bench llama-server llama-lookup llama-speculative"
     # As in llama_cpp_env.sh: -march=native defines __AMX_INT8__ where the flags advertise AMX, the CMake
     # switches do not reach that, and some virtual machines advertise AMX they cannot run.
     NO_AMX=""

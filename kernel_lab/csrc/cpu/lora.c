@@ -12,19 +12,16 @@
  * row read for the group's first row is in L1 for the others); x and h stay in cache.
  *
  * Bits: every h sums its k products in LANES fixed partial sums added in a fixed order, and every y column
- * sums its R products in order r = 0..R-1,
- * on its own row's values, so a row's result does not depend on the other rows, the thread count or the
- * split (nor on B's layout).
- * Work is split over gguf_linear.c's pool (kl_parallel_for, set by cpu_kernels.py as for the attention
+ * sums its R products in order r = 0..R-1, on its own row's values, so a row's result does not depend on
+ * the other rows, the thread count, the split or B's layout. Work is split over gguf_linear.c's pool (kl_parallel_for, set by cpu_kernels.py as for the attention
  * library): shrink by ranges of h's columns, expand by ranges of y's columns starting on 16-float (64-byte)
  * boundaries, so no two threads write one cache line of y.
  *
- * Weights are float32 or bfloat16 (`weight_format` 0 or 1, vLLM's lora_dtype; bf16 is widened exactly in
- * registers); A is [slots, S, R, K], contiguous, and B [slots, N, R] with any strides (in elements). */
+ * Weights are float32 (bfloat16 slots were tried: with the widening no faster on a 2-core Xeon, so not
+ * kept); A is [slots, S, R, K], contiguous, and B [slots, N, R] with any strides (in elements). */
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 typedef void (*parallel_fn)(void (*task)(void *, int, int), void *ctx, int parts);
 static parallel_fn parallel_for;
@@ -41,9 +38,9 @@ typedef struct {
     int64_t ldy;
     const float *x;
     int64_t ldx, k, n;
-    const void *a, *b;
+    const float *a, *b;
     int64_t b_stride_slot, b_stride_n, b_stride_r;
-    int weight_format, num_slices, rank;
+    int num_slices, rank;
     const int64_t *offsets;
     const float *scale;
     const int32_t *order;      /* adapted rows grouped by slot: group g is order[group_begin[g] .. group_begin[g+1]) */
@@ -53,13 +50,6 @@ typedef struct {
     float *h;                  /* [rows, S*R] */
     int64_t hw;                /* S*R */
 } Lora;
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* h[t, j .. j + SHRINK_J) for one row: SHRINK_J dots over k at once, each in LANES partial sums (one
  * 512-bit or two 256-bit vectors), so the multiply-adds form independent chains and x is loaded once per
@@ -73,21 +63,14 @@ static void shrink_row(const Lora *L, const float *x, int64_t slot_base, int64_t
     for (int64_t c = 0; c < body; c += LANES)
         for (int64_t jj = 0; jj < count; jj++) {
             const int64_t w = slot_base + (j0 + jj) * k + c;
-            if (L->weight_format) {
-                const uint16_t *a = (const uint16_t *)L->a + w;
+            const float *a = L->a + w;
 #pragma omp simd
-                for (int v = 0; v < LANES; v++) acc[jj][v] += x[c + v] * bf16_to_f32(a[v]);
-            } else {
-                const float *a = (const float *)L->a + w;
-#pragma omp simd
-                for (int v = 0; v < LANES; v++) acc[jj][v] += x[c + v] * a[v];
-            }
+            for (int v = 0; v < LANES; v++) acc[jj][v] += x[c + v] * a[v];
         }
     for (int64_t jj = 0; jj < count; jj++) {
         const int64_t w = slot_base + (j0 + jj) * k;
         for (int64_t c = body; c < k; c++)
-            acc[jj][c - body] += x[c] * (L->weight_format ? bf16_to_f32(((const uint16_t *)L->a)[w + c])
-                                                          : ((const float *)L->a)[w + c]);
+            acc[jj][c - body] += x[c] * L->a[w + c];
         float sum = 0.0f;
         for (int v = 0; v < LANES; v++) sum += acc[jj][v];
         h[jj] = sum;
@@ -121,10 +104,10 @@ static inline void axpy(float *acc, float hv, const float *row, int64_t w) {
     for (int64_t i = 0; i < w; i++) acc[i] += hv * row[i];
 }
 
-static void expand_columns(const Lora *L, const float *hr, const void *b, int64_t n0, int64_t n1, float sc,
+static void expand_columns(const Lora *L, const float *hr, const float *b, int64_t n0, int64_t n1, float sc,
                            float *yr) {
     const int64_t R = L->rank, sn = L->b_stride_n, sr = L->b_stride_r;
-    const int in_place = sn == 1 && !L->weight_format;
+    const int in_place = sn == 1;
     float tile[TILE_RANKS][EXPAND_BLOCK];
     for (int64_t c0 = n0; c0 < n1; c0 += EXPAND_BLOCK) {
         const int64_t w = n1 - c0 < EXPAND_BLOCK ? n1 - c0 : EXPAND_BLOCK;
@@ -132,13 +115,13 @@ static void expand_columns(const Lora *L, const float *hr, const void *b, int64_
         for (int64_t r0 = 0; r0 < R; r0 += TILE_RANKS) {
             const int64_t rc = R - r0 < TILE_RANKS ? R - r0 : TILE_RANKS;
             if (in_place) {
-                for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], (const float *)b + (r0 + r) * sr + c0, w);
+                for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], b + (r0 + r) * sr + c0, w);
                 continue;
             }
             for (int64_t r = 0; r < rc; r++)
                 for (int64_t i = 0; i < w; i++) {
                     const int64_t e = (c0 + i) * sn + (r0 + r) * sr;
-                    tile[r][i] = L->weight_format ? bf16_to_f32(((const uint16_t *)b)[e]) : ((const float *)b)[e];
+                    tile[r][i] = b[e];
                 }
             for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], tile[r], w);
         }
@@ -152,10 +135,9 @@ static void expand_part(void *ctx, int part, int parts) {
     const int64_t lines = (L->n + 15) / 16;
     const int64_t n0 = 16 * (lines * part / parts), n1e = 16 * (lines * (part + 1) / parts);
     const int64_t n1 = n1e < L->n ? n1e : L->n;
-    const size_t esize = L->weight_format ? 2 : 4;
     for (int g = 0; g < L->groups; g++) {
         const int32_t slot = L->group_slot[g];
-        const char *b = (const char *)L->b + (size_t)slot * (size_t)L->b_stride_slot * esize;
+        const float *b = L->b + (int64_t)slot * L->b_stride_slot;
         for (int s = 0; s < L->num_slices; s++) {   /* this part's columns of slice s */
             const int64_t lo = L->offsets[s] > n0 ? L->offsets[s] : n0;
             const int64_t hi = L->offsets[s + 1] < n1 ? L->offsets[s + 1] : n1;
@@ -188,11 +170,11 @@ static void run(void (*task)(void *, int, int), Lora *L, int parts) {
  * S + 1 slice boundaries of y's columns (0 .. n). Returns 0, -1 for bad sizes, -2 when out of memory. The
  * caller checked the slots (in [-1, slots)) and the shapes once, where they entered. */
 int kl_lora_bgmv(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t n,
-                 const int32_t *row_slots, int num_slots, const void *a, const void *b, int64_t b_stride_slot,
-                 int64_t b_stride_n, int64_t b_stride_r, int weight_format,
+                 const int32_t *row_slots, int num_slots, const float *a, const float *b, int64_t b_stride_slot,
+                 int64_t b_stride_n, int64_t b_stride_r,
                  const float *scale, int num_slices, int rank, const int64_t *offsets, int threads) {
     if (rows < 0 || k < 1 || n < 1 || num_slots < 1 || num_slices < 1 || rank < 1 || offsets[0] != 0 ||
-        offsets[num_slices] != n || (weight_format != 0 && weight_format != 1))
+        offsets[num_slices] != n)
         return -1;
     if (rows == 0) return 0;
     const int64_t hw = (int64_t)num_slices * rank;
@@ -223,9 +205,9 @@ int kl_lora_bgmv(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t row
     group_begin[groups] = begin;
     for (int64_t t = 0; t < rows; t++)
         if (row_slots[t] >= 0) order[counts[row_slots[t]]++] = (int32_t)t;
-    Lora L = {y, ldy, x, ldx, k, n, a, b, b_stride_slot, b_stride_n, b_stride_r, weight_format, num_slices, rank, offsets, scale,
+    Lora L = {y, ldy, x, ldx, k, n, a, b, b_stride_slot, b_stride_n, b_stride_r, num_slices, rank, offsets, scale,
               order, group_slot, group_begin, groups, h, hw};
-    const int64_t weight_bytes = groups * (weight_format ? 2 : 4);
+    const int64_t weight_bytes = groups * (int64_t)sizeof(float);
     run(shrink_part, &L, parts_for(weight_bytes * hw * k, hw, threads));
     run(expand_part, &L, parts_for(weight_bytes * n * rank, (n + 15) / 16, threads));
 done:
