@@ -13,9 +13,9 @@
  *
  * Bits: every h sums its k products in LANES fixed partial sums added in a fixed order, and every y column
  * sums its R products in order r = 0..R-1, on its own row's values, so a row's result does not depend on
- * the other rows, the thread count, the split or B's layout. Work is split over gguf_linear.c's pool (kl_parallel_for, set by cpu_kernels.py as for the attention
- * library): shrink by ranges of h's columns, expand by ranges of y's columns starting on 16-float (64-byte)
- * boundaries, so no two threads write one cache line of y.
+ * the other rows, the thread count, the split or B's layout. Work is split over gguf_linear.c's pool
+ * (kl_parallel_for, set by cpu_kernels.py as for the attention library): by whole groups where there are
+ * at least as many as parts (one dispatch, both steps per part), else by columns (shrink, then expand).
  *
  * Weights are float32 (bfloat16 slots were tried: with the widening no faster on a 2-core Xeon, so not
  * kept); A is [slots, S, R, K], contiguous, and B [slots, N, R] with any strides (in elements). */
@@ -57,7 +57,9 @@ typedef struct {
 #define SHRINK_J 4
 #define LANES 16
 
-static void shrink_row(const Lora *L, const float *x, int64_t slot_base, int64_t j0, int64_t count, float *h) {
+/* always inlined, so the full-block call below gets a constant count and keeps acc in registers */
+static inline __attribute__((always_inline)) void shrink_row(const Lora *L, const float *x, int64_t slot_base,
+                                                             int64_t j0, int64_t count, float *h) {
     const int64_t k = L->k, body = k - k % LANES;
     float acc[SHRINK_J][LANES] = {{0}};
     for (int64_t c = 0; c < body; c += LANES)
@@ -77,17 +79,17 @@ static void shrink_row(const Lora *L, const float *x, int64_t slot_base, int64_t
     }
 }
 
-static void shrink_part(void *ctx, int part, int parts) {
-    const Lora *L = ctx;
-    const int64_t j0 = L->hw * part / parts, j1 = L->hw * (part + 1) / parts;
-    for (int g = 0; g < L->groups; g++) {
-        const int64_t slot_base = (int64_t)L->group_slot[g] * L->hw * L->k;
-        for (int64_t j = j0; j < j1; j += SHRINK_J) {
-            const int64_t count = j1 - j < SHRINK_J ? j1 - j : SHRINK_J;
-            for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
-                const int32_t t = L->order[i];
+/* h's columns j0 .. j1 for group g's rows. */
+static void shrink_group(const Lora *L, int g, int64_t j0, int64_t j1) {
+    const int64_t slot_base = (int64_t)L->group_slot[g] * L->hw * L->k;
+    for (int64_t j = j0; j < j1; j += SHRINK_J) {
+        const int64_t count = j1 - j < SHRINK_J ? j1 - j : SHRINK_J;
+        for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
+            const int32_t t = L->order[i];
+            if (count == SHRINK_J)
+                shrink_row(L, L->x + t * L->ldx, slot_base, j, SHRINK_J, L->h + t * L->hw + j);
+            else
                 shrink_row(L, L->x + t * L->ldx, slot_base, j, count, L->h + t * L->hw + j);
-            }
         }
     }
 }
@@ -130,24 +132,45 @@ static void expand_columns(const Lora *L, const float *hr, const float *b, int64
     }
 }
 
+/* y's columns n0 .. n1 for group g's rows. */
+static void expand_group(const Lora *L, int g, int64_t n0, int64_t n1) {
+    const int32_t slot = L->group_slot[g];
+    const float *b = L->b + (int64_t)slot * L->b_stride_slot;
+    for (int s = 0; s < L->num_slices; s++) {   /* the columns of slice s */
+        const int64_t lo = L->offsets[s] > n0 ? L->offsets[s] : n0;
+        const int64_t hi = L->offsets[s + 1] < n1 ? L->offsets[s + 1] : n1;
+        if (lo >= hi) continue;
+        for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
+            const int32_t t = L->order[i];
+            expand_columns(L, L->h + t * L->hw + s * L->rank, b, lo, hi, L->scale[slot], L->y + t * L->ldy);
+        }
+    }
+}
+
+/* Split by groups (as many groups as parts, or more): a part owns whole groups, the ones whose first row
+ * falls in its share of the adapted rows, and runs both steps for them; no part waits for another. */
+static void groups_part(void *ctx, int part, int parts) {
+    const Lora *L = ctx;
+    const int64_t adapted = L->group_begin[L->groups];
+    for (int g = 0; g < L->groups; g++) {
+        if ((int64_t)L->group_begin[g] * parts / adapted != part) continue;
+        shrink_group(L, g, 0, L->hw);
+        expand_group(L, g, 0, L->n);
+    }
+}
+
+/* Split by columns (fewer groups than parts): shrink by h's columns, then expand by y's columns, starting
+ * on 16-float (64-byte) boundaries so no two threads write one cache line of y. */
+static void shrink_part(void *ctx, int part, int parts) {
+    const Lora *L = ctx;
+    for (int g = 0; g < L->groups; g++) shrink_group(L, g, L->hw * part / parts, L->hw * (part + 1) / parts);
+}
+
 static void expand_part(void *ctx, int part, int parts) {
     const Lora *L = ctx;
     const int64_t lines = (L->n + 15) / 16;
-    const int64_t n0 = 16 * (lines * part / parts), n1e = 16 * (lines * (part + 1) / parts);
-    const int64_t n1 = n1e < L->n ? n1e : L->n;
-    for (int g = 0; g < L->groups; g++) {
-        const int32_t slot = L->group_slot[g];
-        const float *b = L->b + (int64_t)slot * L->b_stride_slot;
-        for (int s = 0; s < L->num_slices; s++) {   /* this part's columns of slice s */
-            const int64_t lo = L->offsets[s] > n0 ? L->offsets[s] : n0;
-            const int64_t hi = L->offsets[s + 1] < n1 ? L->offsets[s + 1] : n1;
-            if (lo >= hi) continue;
-            for (int32_t i = L->group_begin[g]; i < L->group_begin[g + 1]; i++) {
-                const int32_t t = L->order[i];
-                expand_columns(L, L->h + t * L->hw + s * L->rank, b, lo, hi, L->scale[slot], L->y + t * L->ldy);
-            }
-        }
-    }
+    const int64_t n1 = 16 * (lines * (part + 1) / parts);
+    for (int g = 0; g < L->groups; g++) expand_group(L, g, 16 * (lines * part / parts), n1 < L->n ? n1 : L->n);
 }
 
 static int parts_for(int64_t bytes, int64_t units, int threads) {
@@ -208,8 +231,13 @@ int kl_lora_bgmv(float *y, int64_t ldy, const float *x, int64_t ldx, int64_t row
     Lora L = {y, ldy, x, ldx, k, n, a, b, b_stride_slot, b_stride_n, b_stride_r, num_slices, rank, offsets, scale,
               order, group_slot, group_begin, groups, h, hw};
     const int64_t weight_bytes = groups * (int64_t)sizeof(float);
-    run(shrink_part, &L, parts_for(weight_bytes * hw * k, hw, threads));
-    run(expand_part, &L, parts_for(weight_bytes * n * rank, (n + 15) / 16, threads));
+    const int wanted = parts_for(weight_bytes * (hw * k + n * rank), n, threads);
+    if (groups >= wanted) {
+        run(groups_part, &L, wanted);
+    } else {
+        run(shrink_part, &L, parts_for(weight_bytes * hw * k, hw, threads));
+        run(expand_part, &L, parts_for(weight_bytes * n * rank, (n + 15) / 16, threads));
+    }
 done:
     free(counts);
     free(order);
