@@ -1,15 +1,18 @@
-"""llama.cpp's own tools as baselines: llama-bench, llama-batched-bench and llama-server, as
-projects/09_engine/llama_cpp_tools.sh builds them from the pinned source (`make llama-cpp-env`).
+"""llama.cpp's own tools as baselines: llama-bench, llama-batched-bench, llama-server, llama-lookup and
+llama-speculative, as projects/09_engine/llama_cpp_tools.sh builds them from the pinned source
+(`make llama-cpp-env`).
 
 Where the binaries are (`find_tools`, one bin directory per build: `native`, or `avx2` for an AVX2 machine's
 build), what each build was (its llama-cpp-build.json: the llama.cpp commit, CMake and compiler flags, the CPU's
 ISA flags, copied into every record as `provenance`), the command lines the benchmarks run, and parsers of
-the tools' output: llama-bench's `-o json` list and llama-batched-bench's markdown table.
+the tools' output: llama-bench's `-o json` list, llama-batched-bench's markdown table and the speculative
+examples' closing summary.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +107,22 @@ def llama_server_command(binary: Path, model: Path, port: int, parallel: int, th
             "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads)]
 
 
+def speculation_command(binary: Path, model: Path, prompt_file: Path, max_tokens: int, threads: int,
+                        draft_max: int, draft_model: Path | None = None, context: int = 2048,
+                        flash_attn: str = "off") -> list[str]:
+    """One greedy completion of the prompt in `prompt_file` by llama-lookup (prompt-lookup n-gram drafts of up
+    to `draft_max` tokens; 0: no drafts, plain decoding in the same program) or, with `draft_model`,
+    llama-speculative (that model drafts `draft_max` tokens for `model`). `flash_attn` off by default: on a
+    2-core Xeon the examples' default (auto, so on) decoded the bundled model at half the speed at 320 tokens
+    of context, and the baseline should be llama.cpp at its best."""
+    if max_tokens < 1 or threads < 1 or draft_max < 0 or context < 1:
+        raise ValueError(f"max_tokens, threads and context must be >= 1 and draft_max >= 0; got {max_tokens}, "
+                         f"{threads}, {context}, {draft_max}")
+    return [str(binary), "-m", str(model), *(["-md", str(draft_model)] if draft_model is not None else []),
+            "-f", str(prompt_file), "-n", str(max_tokens), "--spec-draft-n-max", str(draft_max), "-t", str(threads),
+            "--temp", "0", "-c", str(context), "-fa", flash_attn]
+
+
 def run_tool(command: list[str], timeout: float = 1800) -> str:
     """The tool's stdout; RuntimeError with the end of its stderr when it fails."""
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -161,6 +180,36 @@ def parse_batched_bench(text: str) -> list[dict]:
         raise ValueError("no llama-batched-bench table (a '| PP | TG | B | ... | S t/s |' header, then rows) in "
                          "the output")
     return rows
+
+
+_SPECULATION_FIELDS = {
+    "prompt": re.compile(r"encoded\s+(\d+) tokens in\s+([0-9.]+) seconds"),
+    "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
+
+
+def parse_speculation(text: str) -> dict:
+    """The summary llama-lookup and llama-speculative log at the end: prompt tokens and seconds (`encoded`),
+    generated tokens and seconds (`decoded`), tokens drafted and accepted."""
+    found = {name: pattern.search(text) for name, pattern in _SPECULATION_FIELDS.items()}
+    absent = [name for name, match in found.items() if match is None]
+    if absent:
+        raise ValueError(f"no {', '.join(absent)} line in the tool's summary (expected 'encoded N tokens in S "
+                         f"seconds', 'decoded N tokens in S seconds', 'n_drafted = N', 'n_accept = N')")
+    return {"prompt_tokens": int(found["prompt"][1]), "prompt_s": float(found["prompt"][2]),
+            "tokens": int(found["decoded"][1]), "decode_s": float(found["decoded"][2]),
+            "drafted": int(found["drafted"][1]), "accepted": int(found["accepted"][1])}
+
+
+def run_speculation(command: list[str], timeout: float = 1800) -> dict:
+    """Run a speculation_command; its parsed summary (the examples log it to stderr)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} exited with {result.returncode}: "
+                           f"{result.stderr.strip()[-2000:]}")
+    return parse_speculation(result.stderr + result.stdout)
 
 
 # ====================================================================== one measurement
