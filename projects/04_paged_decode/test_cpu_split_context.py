@@ -7,29 +7,20 @@ points, with windows that begin inside a span."""
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
-from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
+from kernel_lab.harness.testing import ISA_BUILDS, assert_close, case_seed, generator, isa_build, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels
 from kernel_lab.ops.kv_cache import FP8_DTYPE, dequantize_pages, element_scales, int8_keys, write_kv_reference
 from kernel_lab.ops.paged_attention import paged_decode_attention_reference
 
 FORMATS = [torch.float32, torch.float16, torch.bfloat16, torch.int8, FP8_DTYPE]
-ISA_BUILDS = {"native": (), "avx2": cpu_kernels.ISA_FLAGS["avx2"], "scalar": cpu_kernels.ISA_FLAGS["scalar"]}
 
 
-@pytest.fixture(params=list(ISA_BUILDS), scope="module")
+@pytest.fixture(params=ISA_BUILDS, scope="module")
 def lib(request):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
-    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the ISA variants are x86-64 builds")
-    library = cpu_kernels.load_library("paged_decode_attention", ISA_BUILDS[request.param])
-    assert library is not None
-    return library
+    return isa_build("paged_decode_attention", request.param)
 
 
 def paged_case(seed, lengths, dtype, num_q_heads, num_kv_heads, head_dim, block_size):

@@ -6,28 +6,18 @@ whichever layout B has (the property the engine's batch invariance and speculati
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
-from kernel_lab.harness.testing import assert_close, randn
-from kernel_lab.ops import cpu_kernels
+from kernel_lab.harness.testing import ISA_BUILDS, assert_close, isa_build, randn
 from kernel_lab.ops.lora import add_lora, add_lora_cpu, lora_reference
 
-ISA_BUILDS = {"native": (), "avx2": cpu_kernels.ISA_FLAGS["avx2"], "scalar": cpu_kernels.ISA_FLAGS["scalar"]}
 MAP = [0, 2, -1, 4, 4, 0, -1, 2, 2, 0, 4, -1, 2]   # adapters 1 and 3 unused, base rows between
 
 
-@pytest.fixture(params=list(ISA_BUILDS), scope="module")
+@pytest.fixture(params=ISA_BUILDS, scope="module")
 def lib(request):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
-    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the ISA variants are x86-64 builds")
-    library = cpu_kernels.load_library("lora", ISA_BUILDS[request.param])
-    assert library is not None
-    return library
+    return isa_build("lora", request.param)
 
 
 def offsets_of(widths):
