@@ -55,6 +55,26 @@ def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+@pytest.fixture(scope="session")
+def isa_build():
+    """build(library, isa): the C library `library` (kernel_lab/csrc/cpu) built for `isa` (one of
+    kernel_lab.harness.testing.ISA_BUILDS; the narrower builds are forced with flags, so an AVX-512 machine
+    tests the AVX2 and scalar paths too), or pytest.skip where it cannot be built here."""
+    import platform
+
+    from kernel_lab.ops import cpu_kernels
+
+    def build(library: str, isa: str):
+        if cpu_kernels.compiler() is None:
+            pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
+        if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the ISA variants are x86-64 builds")
+        built = cpu_kernels.load_library(library, cpu_kernels.ISA_FLAGS[isa])
+        assert built is not None, f"{library} did not build for {isa}"
+        return built
+    return build
+
+
 @pytest.fixture
 def reference_only(monkeypatch):
     """Make kernel_lab.ops take the PyTorch reference path on CPU (used by engine and server tests,

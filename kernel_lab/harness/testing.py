@@ -149,22 +149,5 @@ def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 ISA_BUILDS = ("native", "avx2", "scalar")   # kernel_lab.ops.cpu_kernels.ISA_FLAGS' builds, widest first
+# (conftest.py's `isa_build` fixture builds a CPU library for one of them)
 
-
-def isa_build(library: str, isa: str):
-    """The C library `library` (kernel_lab/csrc/cpu) built for `isa` (one of ISA_BUILDS: the narrower builds
-    are forced with flags, so an AVX-512 machine tests the AVX2 and scalar paths too); pytest.skip where it
-    cannot be built here (no compiler, or a narrowed x86-64 build on another architecture)."""
-    import platform
-
-    import pytest
-
-    from kernel_lab.ops import cpu_kernels
-
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler ($CC or cc on PATH) to build kernel_lab/csrc/cpu")
-    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the ISA variants are x86-64 builds")
-    built = cpu_kernels.load_library(library, cpu_kernels.ISA_FLAGS[isa])
-    assert built is not None, f"{library} did not build for {isa}"
-    return built

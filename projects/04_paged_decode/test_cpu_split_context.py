@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_lab.harness.testing import ISA_BUILDS, assert_close, case_seed, generator, isa_build, poison, randn
+from kernel_lab.harness.testing import ISA_BUILDS, assert_close, case_seed, generator, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels
 from kernel_lab.ops.kv_cache import FP8_DTYPE, dequantize_pages, element_scales, int8_keys, write_kv_reference
 from kernel_lab.ops.paged_attention import paged_decode_attention_reference
@@ -19,7 +19,7 @@ FORMATS = [torch.float32, torch.float16, torch.bfloat16, torch.int8, FP8_DTYPE]
 
 
 @pytest.fixture(params=ISA_BUILDS, scope="module")
-def lib(request):
+def lib(request, isa_build):
     return isa_build("paged_decode_attention", request.param)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_lab.harness.testing import ISA_BUILDS, assert_close, isa_build, randn
+from kernel_lab.harness.testing import ISA_BUILDS, assert_close, randn
 from kernel_lab.ops.lora import add_lora, add_lora_cpu, lora_reference
 
 MAP = [0, 2, -1, 4, 4, 0, -1, 2, 2, 0, 4, -1, 2]   # adapters 1 and 3 unused, base rows between
 
 
 @pytest.fixture(params=ISA_BUILDS, scope="module")
-def lib(request):
+def lib(request, isa_build):
     return isa_build("lora", request.param)
 
 
