@@ -95,7 +95,7 @@ static void shrink_group(const Lora *L, int g, int64_t j0, int64_t j1) {
 }
 
 /* A block of columns sums acc[i] += h[r] * B[r, c0 + i] over r, vectorised over i. B with its n stride 1 in
- * float32 (stored [slots, R, N], as the engine's CPU slots are) is read in place; any other layout or format
+ * float32 (stored [slots, R, N], as the engine's CPU slots are) is read in place; any other layout
  * is first copied, 16 ranks at a time, into a tile of that form, so every layout runs the same
  * multiply-adds and gives the same bits. */
 #define EXPAND_BLOCK 256
