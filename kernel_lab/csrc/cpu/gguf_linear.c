@@ -239,8 +239,14 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const uint
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KL_PAIR_TILES 1
-#define PAIR_M TILE_M   /* rows of x per pass over a tile pair (8 measured no faster) */
-#define PAIR_MIN_ROWS 5 /* below this the 256-bit single-tile path was faster (decode at batch 1-4) */
+/* Rows of x per pass over a tile pair, and the fewest rows that take pairs. Measured on a 2-core Sapphire
+ * Rapids (two 512-bit FMA ports), a step's projections against the single-tile path: 5-16% faster at 2-8
+ * rows with Q4_0/Q4_1/Q8_0 and 10-40% with the K-quants (whose 256-bit 4-row pass was slower than their
+ * 5-row one), prefill unchanged; one row was no faster. 8 rows in a pass take a speculative verify's
+ * k + 1 <= 8 rows in one pass over the weights rather than 4 + 1. (An earlier Xeon had measured pairs
+ * slower below 5 rows.) */
+#define PAIR_M 8
+#define PAIR_MIN_ROWS 2
 static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -373,6 +379,10 @@ static inline __attribute__((always_inline)) void gemm_tiles_of(const int kq, in
             for (int64_t r = 0; r < m; r += PAIR_M) {
                 float *dst = y + r * ldy + n0;
                 switch (m - r < PAIR_M ? m - r : PAIR_M) {
+                case 8: pair_pass(kq, type, tile, tile_bytes, x, r, 8, dst, ldy); break;
+                case 7: pair_pass(kq, type, tile, tile_bytes, x, r, 7, dst, ldy); break;
+                case 6: pair_pass(kq, type, tile, tile_bytes, x, r, 6, dst, ldy); break;
+                case 5: pair_pass(kq, type, tile, tile_bytes, x, r, 5, dst, ldy); break;
                 case 4: pair_pass(kq, type, tile, tile_bytes, x, r, 4, dst, ldy); break;
                 case 3: pair_pass(kq, type, tile, tile_bytes, x, r, 3, dst, ldy); break;
                 case 2: pair_pass(kq, type, tile, tile_bytes, x, r, 2, dst, ldy); break;
