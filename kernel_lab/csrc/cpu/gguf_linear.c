@@ -24,7 +24,7 @@
  *     horizontal sums, and 8 outputs stored together;
  *   - a weight tile is unpacked once per TILE_M rows of x, so a batch reads the weights from memory once
  *     (the point of batching), and TILE_M independent dependency chains keep the units busy;
- *   - with AVX-512 (VNNI, BW), steps of PAIR_MIN_ROWS rows or more take two tiles at once in 512-bit vectors
+ *   - with AVX-512 (VNNI, BW), steps take two tiles at once in 512-bit vectors
  *     (tile_pair_rows): one broadcast of 4 activations feeds 16 rows, where many-row steps were bound by
  *     the broadcasts and loop work; same per-lane operations, same bits;
  *   - tiles are split among a small pthread pool (not OpenMP: torch brings its own runtime), which
@@ -239,14 +239,12 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const uint
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KL_PAIR_TILES 1
-/* Rows of x per pass over a tile pair, and the fewest rows that take pairs. Measured on a 2-core Sapphire
- * Rapids (two 512-bit FMA ports), a step's projections against the single-tile path: 5-16% faster at 2-8
- * rows with Q4_0/Q4_1/Q8_0 and 10-40% with the K-quants (whose 256-bit 4-row pass was slower than their
- * 5-row one), prefill unchanged; one row was no faster. 8 rows in a pass take a speculative verify's
- * k + 1 <= 8 rows in one pass over the weights rather than 4 + 1. (An earlier Xeon had measured pairs
- * slower below 5 rows.) */
+/* Rows of x per pass over a tile pair. Every step takes pairs where two full tiles are left. Measured on a
+ * 2-core Sapphire Rapids (two 512-bit FMA ports), a step's projections against the single-tile path: 5-16%
+ * faster at 2-8 rows with Q4_0/Q4_1/Q8_0 and 10-40% with the K-quants, 3-14% faster at one row (Q8_0 level),
+ * prefill unchanged. 8 rows a pass take a speculative verify's k + 1 <= 8 rows in one pass over the weights
+ * rather than 4 + 1. (An earlier Xeon, with the 4-row passes, had measured pairs slower below 5 rows.) */
 #define PAIR_M 8
-#define PAIR_MIN_ROWS 2
 static inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -375,7 +373,7 @@ static inline __attribute__((always_inline)) void gemm_tiles_of(const int kq, in
         const uint8_t *tile = w + t * tile_bytes;
         const int64_t n0 = t * TILE_N;
 #ifdef KL_PAIR_TILES
-        if (m >= PAIR_MIN_ROWS && t + 1 < t1 && n0 + 2 * TILE_N <= n) { /* two full tiles: 16 rows at once */
+        if (t + 1 < t1 && n0 + 2 * TILE_N <= n) { /* two full tiles: 16 rows at once */
             for (int64_t r = 0; r < m; r += PAIR_M) {
                 float *dst = y + r * ldy + n0;
                 switch (m - r < PAIR_M ? m - r : PAIR_M) {
