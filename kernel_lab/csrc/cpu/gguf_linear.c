@@ -241,7 +241,7 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const uint
 #define KL_PAIR_TILES 1
 /* Rows of x per pass over a tile pair. Every step takes pairs where two full tiles are left. Measured on a
  * 2-core Sapphire Rapids (two 512-bit FMA ports), a step's projections against the single-tile path: 5-16%
- * faster at 2-8 rows with Q4_0/Q4_1/Q8_0 and 10-40% with the K-quants, 3-14% faster at one row (Q8_0 level),
+ * faster at 2-8 rows with Q4_0/Q4_1/Q8_0 and 10-40% with the K-quants, 3-14% faster at one row (Q8_0 unchanged),
  * prefill unchanged. 8 rows a pass take a speculative verify's k + 1 <= 8 rows in one pass over the weights
  * rather than 4 + 1. (An earlier Xeon, with the 4-row passes, had measured pairs slower below 5 rows.) */
 #define PAIR_M 8
