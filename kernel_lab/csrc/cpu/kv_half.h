@@ -24,6 +24,19 @@
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3, KV_F8 = 4 };
 
+/* a * b + c for the scalar tails, fused wherever the target has FMA. Left to -ffp-contract=fast, whether a
+ * tail is fused is the compiler's choice per copy of the loop, and the copies for two formats may choose
+ * differently: the AVX2 build on a Zen 4 machine (-march=native -mno-avx512f) gave a row of fp8 codes and the
+ * same row widened to bf16 different bits, where Sapphire Rapids' build did not. Without FMA nothing can be
+ * fused, so the plain expression is as fixed. */
+static inline float kv_fma(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* The int8 code outside the symmetric range [-127, 127]: a NaN stored into an int8 page. */
 #define KV_I8_NAN (-128)
 
@@ -216,10 +229,10 @@ static inline void dot_tokens_half(int format, const float *restrict qh, const v
 #endif
     for (; d < head_dim; ++d) {
         const float qd = qh[d];
-        s0 += qd * kv_to_float(format, k[0], d);
-        s1 += qd * kv_to_float(format, k[1], d);
-        s2 += qd * kv_to_float(format, k[2], d);
-        s3 += qd * kv_to_float(format, k[3], d);
+        s0 = kv_fma(qd, kv_to_float(format, k[0], d), s0);
+        s1 = kv_fma(qd, kv_to_float(format, k[1], d), s1);
+        s2 = kv_fma(qd, kv_to_float(format, k[2], d), s2);
+        s3 = kv_fma(qd, kv_to_float(format, k[3], d), s3);
     }
     s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
 }
@@ -232,7 +245,7 @@ static inline float dot_half(int format, const float *restrict qh, const void *r
     for (; d + KV_LANES <= head_dim; d += KV_LANES) a = vec_fmadd(vec_load(qh + d), vec_load_kv(format, k, d), a);
     s = vec_sum(a);
 #endif
-    for (; d < head_dim; ++d) s += qh[d] * kv_to_float(format, k, d);
+    for (; d < head_dim; ++d) s = kv_fma(qh[d], kv_to_float(format, k, d), s);
     return s;
 }
 
@@ -259,7 +272,7 @@ static inline void accumulate_half(int format, float *restrict acc, const float 
 #endif
     for (; d < head_dim; ++d) {
         float a = acc[d];
-        for (int i = 0; i < count; ++i) a += p[i] * kv_to_float(format, v[i], d);
+        for (int i = 0; i < count; ++i) a = kv_fma(p[i], kv_to_float(format, v[i], d), a);
         acc[d] = a;
     }
 }
