@@ -205,6 +205,7 @@ static inline __attribute__((always_inline)) void kq_tile_pair_rows(int type, co
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const int64_t b = 8 * sb + t;
+            if (r0 == 0) prefetch_pair(tile, tile_bytes, sb * tsb + t * (tsb / 8), tsb / 8); /* an eighth a block */
             __m512i w[8];
             if (type == GGML_Q6_K) {
                 const int h = t / 4, quarter = t % 4;

@@ -133,6 +133,41 @@ typedef struct {
 } QuantizedRows;
 
 /* Per row of the tile: the factor of s_x (Q4_1: m; Q4_0: -8 d; Q8_0: -128 d, for the +128 bias). */
+/* Software prefetch, for the tile pairs only. A pair reads its two tiles (t, t + 1) side by side: two streams
+ * a tile apart. Where the weights do not fit in the last-level cache, the hardware prefetchers fed those two
+ * streams poorly: on a Zen 4 VM (32 MiB L3) a one-row step's projections over the bundled model's weights ran
+ * at 10 GB/s in pairs, against 17 GB/s for the AVX2 build's single tiles (one stream) on the same machine.
+ * The single-tile path has no software prefetch: there it cost 13%. */
+static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+/* How far ahead of its reads a tile's stream asks for lines, in bytes, in a large pair. */
+#ifndef KL_PREFETCH_AHEAD
+#define KL_PREFETCH_AHEAD 4096
+#endif
+/* The largest tile pair whose successor is prefetched as one sequential stream. */
+#ifndef KL_PREFETCH_PAIR_MAX
+#define KL_PREFETCH_PAIR_MAX 24576
+#endif
+
+/* The lines a tile pair asks for while it reads `bytes` at offset `off` of each of its tiles (pairs are
+ * contiguous). A small pair asks for the next pair, front to back, at the pace it reads itself: one sequential
+ * stream. A large pair (the 1B's wide matrices, tiles of tens of KB) would so fetch lines that far ahead of
+ * use that L1 evicted them first (it ran 0.82x the pair without prefetch), so each tile's stream asks
+ * KL_PREFETCH_AHEAD ahead instead, running on past its tile's end into the next pair's tile of the same
+ * stream (t into t + 2, t + 1 into t + 3). */
+static inline void prefetch_pair(const uint8_t *tile, int64_t tile_bytes, int64_t off, int64_t bytes) {
+    if (2 * tile_bytes <= KL_PREFETCH_PAIR_MAX) {
+        prefetch_span(tile + 2 * tile_bytes + 2 * off, 2 * bytes);
+        return;
+    }
+    int64_t at = off + KL_PREFETCH_AHEAD;
+    at += at < tile_bytes ? 0 : tile_bytes;
+    prefetch_span(tile + at, bytes);
+    prefetch_span(tile + tile_bytes + at, bytes);
+}
+
 static inline float offset_factor(int type, const uint16_t *halves, int row, float d) {
     if (type == GGML_Q4_1) return half_to_float(halves[TILE_N + row]);
     return (type == GGML_Q4_0 ? -8.0f : -128.0f) * d;
@@ -269,6 +304,7 @@ static inline __attribute__((always_inline)) void tile_pair_rows(int type, const
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * tbb, *blk2 = next + b * tbb;
+        if (r0 == 0) prefetch_pair(tile, tile_bytes, b * tbb, tbb);
         const __m512 wd = halves_pair(blk, blk2);
         const __m512 off = type == GGML_Q4_1 ? halves_pair(blk + 16, blk2 + 16)
                            : _mm512_mul_ps(wd, _mm512_set1_ps(type == GGML_Q4_0 ? -8.0f : -128.0f));
