@@ -244,8 +244,14 @@ static inline __attribute__((always_inline)) void kq_tile_pair_rows(int type, co
             for (int r = 0; r < MR; r++) {
                 const int64_t row = r0 + r;
                 const int8_t *xq = x->q + row * x->k + b * QK;
-                __m512i idot = _mm512_setzero_si512();
-                for (int g = 0; g < 8; g++) idot = _mm512_dpbusd_epi32(idot, w[g], broadcast4_pair(xq + 4 * g));
+                /* Two chains of 4 (int32 sums are exact, so the same bits): one row's 8 dependent vpdpbusd
+                 * were the one-row step's critical path, with the weights already in cache. */
+                __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+                for (int g = 0; g < 4; g++) {
+                    ia = _mm512_dpbusd_epi32(ia, w[g], broadcast4_pair(xq + 4 * g));
+                    ib = _mm512_dpbusd_epi32(ib, w[g + 4], broadcast4_pair(xq + 4 * g + 16));
+                }
+                const __m512i idot = _mm512_add_epi32(ia, ib);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(scale, _mm512_set1_ps(x->d[row * nb + b])),
                                          acc[r]);
                 acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x->s[row * nb + b]), acc[r]);
