@@ -407,7 +407,7 @@ def test_no_drafts_in_a_step_with_more_running_than_disable_by_batch_size(engine
     assert all(seq.draft_token_ids == [5, 6] for seq in seqs[:2])
 
 
-JSON_SCHEMA = {"type": "object", "properties": {"count": {"type": "integer"},
+JSON_SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": -999, "maximum": 999},
                                                 "word": {"type": "string", "maxLength": 8}},
                "required": ["count", "word"], "additionalProperties": False}
 # prompts the constrained outputs copy from, so prompt lookup proposes drafts the grammar allows
@@ -445,7 +445,8 @@ def _check_structured(i: int, text: str) -> None:
 
     if i in (0, 5):
         value = json.loads(text)
-        assert set(value) == {"count", "word"} and isinstance(value["count"], int), text
+        assert set(value) == {"count", "word"} and isinstance(value["count"], int) \
+            and -999 <= value["count"] <= 999, text
     elif i == 1:
         assert re.fullmatch(r"(ab ){2,5}done", text), text
     elif i == 2:
