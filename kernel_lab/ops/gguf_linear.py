@@ -17,6 +17,7 @@ the block dot products are integer; `gguf_linear_reference` computes exactly tha
 from __future__ import annotations
 
 import functools
+import mmap
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -164,6 +165,25 @@ def stack(parts: list[PackedWeight]) -> PackedStack:
     return PackedStack(tuple(views), tiles, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
+_HUGE_PAGE = 2 << 20
+
+
+def _tile_buffer(nbytes: int) -> torch.Tensor:
+    """Uninitialised bytes for packed tiles. A buffer of a few huge pages or more is its own anonymous
+    mapping, advised for transparent huge pages before the packer first writes it: a decode step streams
+    every weight once, and with 4 KiB pages each page costs a TLB walk and ends a hardware prefetch stream
+    (on a 2-core Zen 4, a one-row Q4_K GEMV over weights far larger than L3 ran 18 against 21 GB/s, C
+    harness, ad hoc). Where the kernel has no THP, or only `never`, the advice is a no-op."""
+    if nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # shared anonymous memory is shmem, not THP
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
 def _tiles_shape(weight: QuantizedWeight) -> tuple[int, int]:
     n, k = weight.shape
     widened = BLOCK_BYTES[weight.ggml_type] + _WIDE_EXTRA.get(weight.ggml_type, 0)
@@ -183,7 +203,8 @@ def pack(weight: QuantizedWeight, use_kernel: bool = True) -> PackedWeight:
     _check_weight(weight)
     lib = _library() if use_kernel else None
     if lib is not None:
-        return _pack_into(lib, weight, torch.empty(_tiles_shape(weight), dtype=torch.uint8))
+        rows, cols = _tiles_shape(weight)
+        return _pack_into(lib, weight, _tile_buffer(rows * cols).view(rows, cols))
     if weight.ggml_type in K_QUANTS:
         return _kquant_pack(weight)
     n, k = weight.shape
@@ -217,7 +238,7 @@ def pack_stacked(parts: list[QuantizedWeight]) -> PackedWeight | PackedStack:
     if lib is None or any(p.shape[0] % TILE_ROWS for p in parts[:-1]):
         return pack(QuantizedWeight.cat(parts)) if one_format else stack([pack(p) for p in parts])
     shapes = [_tiles_shape(p) for p in parts]
-    buffer = torch.empty(sum(r * c for r, c in shapes), dtype=torch.uint8)
+    buffer = _tile_buffer(sum(r * c for r, c in shapes))
     views, start = [], 0
     for part, (r, c) in zip(parts, shapes, strict=True):
         views.append(_pack_into(lib, part, buffer[start:start + r * c].view(r, c)))

@@ -26,6 +26,7 @@ import torch
 
 from kernel_lab.harness.testing import case_seed, generator, poison
 from kernel_lab.ops import cpu_kernels
+from kernel_lab.ops import gguf_linear as gguf_linear_module
 from kernel_lab.ops.gguf_linear import (
     BLOCK,
     BLOCK_BYTES,
@@ -297,6 +298,22 @@ def test_packing_is_lossless_and_embedding_rows_decode(library):
         assert torch.equal(packed.unpack().data, weight.data)
         ids = torch.tensor([0, 20, 7, 8, 7])
         assert torch.equal(dequantize_rows(packed, ids), weight.dequantize()[ids])
+
+
+def test_a_weight_of_several_huge_pages_is_packed_into_its_own_mapping_with_the_same_bytes(library):
+    """A weight over two huge pages (here 4.7 MB of Q4_K) packs into an anonymous private mapping advised
+    for THP (gguf_linear._tile_buffer): the bytes are the torch packer's, the kernel reads them, and the
+    mapping lives as long as the tensor."""
+    weight = random_weight("Q4_K", 4096, 2048, case_seed("gguf-pack-huge"))
+    packed = pack(weight)
+    assert packed.nbytes > 2 * gguf_linear_module._HUGE_PAGE
+    assert torch.equal(packed.tiles, pack(weight, use_kernel=False).tiles)
+    x = random_x(2, 2048, case_seed("gguf-pack-huge", "x"))
+    y = gguf_linear(x, packed, out=poison(torch.empty(2, 4096)))
+    error = (y.double() - gguf_linear_reference(x, weight)).abs()
+    assert bool((error <= summation_tolerance(x, weight)).all()), f"max error {error.max():.3g}"
+    small = gguf_linear_module._tile_buffer(1 << 20)
+    assert small.numel() == 1 << 20 and small.dtype == torch.uint8
 
 
 def test_a_stack_of_formats_computes_each_part_into_its_columns(library):
