@@ -301,9 +301,9 @@ def test_packing_is_lossless_and_embedding_rows_decode(library):
 
 
 def test_a_weight_of_several_huge_pages_is_packed_into_its_own_mapping_with_the_same_bytes(library):
-    """A weight over two huge pages (here 4.7 MB of Q4_K) packs into an anonymous private mapping advised
-    for THP (gguf_linear._tile_buffer): the bytes are the torch packer's, the kernel reads them, and the
-    mapping lives as long as the tensor."""
+    """A weight over two huge pages (here 4.7 MB of Q4_K) takes gguf_linear._tile_buffer's mapped path:
+    its bytes are still the torch packer's and the kernel's output is the exact reference's; a small
+    buffer takes torch.empty's path, of the asked size."""
     weight = random_weight("Q4_K", 4096, 2048, case_seed("gguf-pack-huge"))
     packed = pack(weight)
     assert packed.nbytes > 2 * gguf_linear_module._HUGE_PAGE
