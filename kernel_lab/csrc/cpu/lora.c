@@ -106,11 +106,43 @@ static inline void axpy(float *acc, float hv, const float *row, int64_t w) {
     for (int64_t i = 0; i < w; i++) acc[i] += hv * row[i];
 }
 
+/* The in-place layout's full blocks of 64 columns: their sums live in four 16-float vector registers over
+ * all R ranks (GCC vector types, lowered to whatever the ISA has) and are stored once, where the generic
+ * loop below keeps them in a stack array that every rank's multiply-add loads and stores. The same sums in
+ * the same order as the generic path, so the same bits. */
+typedef float f32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void expand_register_block(const float *hr, const float *b, int64_t sr, int64_t R, float sc,
+                                         float *yr) {
+    f32x16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+    for (int64_t r = 0; r < R; r++) {
+        const float hv = hr[r], *row = b + r * sr;
+        acc0 += hv * load16(row);
+        acc1 += hv * load16(row + 16);
+        acc2 += hv * load16(row + 32);
+        acc3 += hv * load16(row + 48);
+    }
+    const f32x16 out[4] = {load16(yr) + sc * acc0, load16(yr + 16) + sc * acc1, load16(yr + 32) + sc * acc2,
+                           load16(yr + 48) + sc * acc3};
+    __builtin_memcpy(yr, out, sizeof out);
+}
+
+#define REGISTER_BLOCK 64
+
 static void expand_columns(const Lora *L, const float *hr, const float *b, int64_t n0, int64_t n1, float sc,
                            float *yr) {
     const int64_t R = L->rank, sn = L->b_stride_n, sr = L->b_stride_r;
     const int in_place = sn == 1;
     float tile[TILE_RANKS][EXPAND_BLOCK];
+    if (in_place)
+        for (; n0 + REGISTER_BLOCK <= n1; n0 += REGISTER_BLOCK)
+            expand_register_block(hr, b + n0, sr, R, sc, yr + n0);
     for (int64_t c0 = n0; c0 < n1; c0 += EXPAND_BLOCK) {
         const int64_t w = n1 - c0 < EXPAND_BLOCK ? n1 - c0 : EXPAND_BLOCK;
         float acc[EXPAND_BLOCK] = {0};
