@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernel_lab import ops
 from kernel_lab.ops import cpu_kernels
-from kernel_lab.ops.kv_cache import dequantize_pages, int8_keys
+from kernel_lab.ops.kv_cache import dequantize_pages, int8_rows
 
 
 @dataclass
@@ -67,8 +67,8 @@ class LayerKVCache:
         k = self.k_cache.flatten(0, 1)[slots]
         v = self.v_cache.flatten(0, 1)[slots]
         if self.k_scale is not None and self.k_cache.dtype == torch.int8:  # a scale per token
-            k = int8_keys(dequantize_pages(k, self.k_scale.flatten(0, 1)[slots][..., None]))
-            v = dequantize_pages(v, self.v_scale.flatten(0, 1)[slots][..., None])
+            k = int8_rows(dequantize_pages(k, self.k_scale.flatten(0, 1)[slots][..., None]))
+            v = int8_rows(dequantize_pages(v, self.v_scale.flatten(0, 1)[slots][..., None]))
         elif self.k_scale is not None:  # fp8: a scale per page
             blocks = slots // block_size
             k = dequantize_pages(k, self.k_scale[blocks][..., None])

@@ -26,17 +26,19 @@ the division and the product), whatever was written before or after. Nothing is 
 page's scale follows its largest row, and the first (attention-sink) token, whose V rows are a third of
 their page's, kept a few bits and took most of the attention weight (projects/09_engine/README.md).
 The scales cost 8 bytes per token and KV head against 2 * head_dim code bytes (6.25% at head_dim 64).
-int8 K rows are stored rotated: `H k`, with H Sylvester's unnormalised Hadamard matrix (entries +-1) on blocks
-of `hadamard_block(head_dim)` channels (the whole row for a power-of-two head_dim), formed in float32 before
-the scale (`hadamard_rotate`). A reader rotates the query the same way and divides by the block, since
-`(H q) . (H k) = block * (q . k)`; `int8_keys` undoes it for a reader of K itself. Why: K has outlier
+int8 K and V rows are stored rotated: `H k`, `H v`, with H Sylvester's unnormalised Hadamard matrix (entries
++-1) on blocks of `hadamard_block(head_dim)` channels (the whole row for a power-of-two head_dim), formed in
+float32 before the scale (`hadamard_rotate`). A reader rotates the query the same way and divides by the
+block, since `(H q) . (H k) = block * (q . k)`, and rotates its output back once, since
+`sum p H v = H (sum p v)`; `int8_rows` undoes it for a reader of the rows themselves. Why: K has outlier
 channels (a few channels of RoPE'd keys carry most of a row's magnitude), so a row's scale follows them and
 the other channels keep a few levels; H spreads every channel over all of them (QuaRot's observation), and
 the bound `|H k - code * s| <= s / 2` per element becomes the same bound on k's elements after the inverse,
 with a scale that no longer follows one channel. On the bundled model it is what raises int8's greedy
-agreement with float32 pages (projects/09_engine/README.md). A non-finite element of a K row spreads over its
-block (NaN where +inf meets -inf), where unrotated it stayed in its channel: the row's scores were NaN or
-inf either way.
+agreement with float32 pages (projects/09_engine/README.md). V's rows have milder outliers, and rotating them
+too raised the agreement again (same page). A non-finite element of a row spreads over its block (NaN where
++inf meets -inf), where unrotated it stayed in its channel: the row's scores, or the output, were NaN or inf
+either way.
 
 fp8 write policy (project 05's, as the CUDA kernels write it): every page scale `write_kv` writes is the
 smallest power of two >= amax / 448 (at least 2**-126) over everything the page and head has received; a page
@@ -179,8 +181,8 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
-def int8_keys(rotated: torch.Tensor) -> torch.Tensor:
-    """K rows from int8 pages' dequantised values (`H k`): `H (H k) / block`."""
+def int8_rows(rotated: torch.Tensor) -> torch.Tensor:
+    """K or V rows from int8 pages' dequantised values (`H x`): `H (H x) / block`."""
     return hadamard_rotate(rotated) * (1.0 / hadamard_block(rotated.shape[-1]))
 
 
@@ -316,12 +318,11 @@ def check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: i
 
 # --------------------------------------------------------------------------------------------- reference
 def _write_scaled_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, blocks: torch.Tensor,
-                            offsets: torch.Tensor, is_key: bool) -> None:
+                            offsets: torch.Tensor) -> None:
     """Write one of K or V into fp8 pages under the page-scale policy, or into int8 pages with each row's own
-    scale, K rows rotated (module docstring); tokens already filtered to valid."""
+    scale, rows rotated (module docstring); tokens already filtered to valid."""
     if cache.dtype == torch.int8:
-        if is_key:
-            x = hadamard_rotate(x)
+        x = hadamard_rotate(x)
         row_scale = int8_token_scale(finite_amax(x))                            # [tokens, heads]
         scale[blocks, offsets] = row_scale
         cache[blocks, offsets] = quantize_int8(x, row_scale[:, :, None])
@@ -360,8 +361,8 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None,
                 cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
         return
     blocks, offsets = slots // block_size, slots % block_size
-    _write_scaled_reference(key, k_cache, k_scale, blocks, offsets, is_key=True)
-    _write_scaled_reference(value, v_cache, v_scale, blocks, offsets, is_key=False)
+    _write_scaled_reference(key, k_cache, k_scale, blocks, offsets)
+    _write_scaled_reference(value, v_cache, v_scale, blocks, offsets)
 
 
 # --------------------------------------------------------------------------------------------- public op

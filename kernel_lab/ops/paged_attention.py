@@ -58,6 +58,7 @@ from .kv_cache import (
     element_scales,
     hadamard_block,
     hadamard_rotate,
+    int8_rows,
     page_codes,
 )
 
@@ -118,6 +119,8 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         qf = hadamard_rotate(qf) * (1.0 / hadamard_block(head_dim))
     qg = qf.view(batch, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    if k_cache.dtype == torch.int8:  # V rows hold H v too: the output is H (sum p v)
+        out = int8_rows(out)
     out = out.masked_fill((lens == 0)[:, None, None, None], 0.0)                  # length 0 -> a zero row
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 

@@ -49,7 +49,7 @@ from kernel_lab.ops.kv_cache import (
     element_scales,
     hadamard_block,
     hadamard_rotate,
-    int8_keys,
+    int8_rows,
     write_kv_reference,
 )
 
@@ -95,7 +95,7 @@ def store_nan(cache, index):
 
 def element_bound(dtype, x, s, *, at_final_scale=False, rotated=False):
     """The most |x - stored| may be for an element x of scale s (int8: its row's; fp8: its page's final one;
-    module docstring). `rotated`: an int8 K element after the rotation is undone, where the float32
+    module docstring). `rotated`: an int8 element after the rotation is undone, where the float32
     butterflies there and back add a few ulps of s."""
     if dtype == torch.int8:
         return s * (0.5 + (2.0 ** -11 if rotated else 2.0 ** -16))
@@ -147,10 +147,10 @@ def values(cache, scale):
     return dequantize_pages(cache, element_scales(scale, cache.dtype))
 
 
-def keys(cache, scale):
-    """The K rows pages hold: their values, with int8's Hadamard rotation undone."""
+def page_rows(cache, scale):
+    """The K or V rows pages hold: their values, with int8's Hadamard rotation undone."""
     stored = values(cache, scale)
-    return int8_keys(stored) if cache.dtype == torch.int8 else stored
+    return int8_rows(stored) if cache.dtype == torch.int8 else stored
 
 
 def slot_scales(scale, slots, dtype, block_size):
@@ -168,14 +168,14 @@ def sylvester(n):
 
 @pytest.mark.parametrize("head_dim, block", [(64, 64), (96, 32), (40, 8), (36, 4), (128, 128), (7, 1)])
 def test_hadamard_rotation_is_sylvesters_matrix_block_by_block(head_dim, block):
-    """hadamard_rotate against the explicit block-diagonal matrix in float64 on random rows, and int8_keys
+    """hadamard_rotate against the explicit block-diagonal matrix in float64 on random rows, and int8_rows
     inverts it: the identity (H q / block) . (H k) = q . k the read relies on."""
     assert hadamard_block(head_dim) == block
     g = generator(case_seed("hadamard", head_dim))
     x = torch.randn(5, 3, head_dim, generator=g, dtype=torch.float64) * 3
     explicit = torch.block_diag(*[sylvester(block)] * (head_dim // block))
     assert_close(hadamard_rotate(x), x @ explicit.T, torch.float32)
-    assert_close(int8_keys(hadamard_rotate(x)), x, torch.float32)
+    assert_close(int8_rows(hadamard_rotate(x)), x, torch.float32)
     q = torch.randn(5, 3, head_dim, generator=g, dtype=torch.float64)
     assert_close((hadamard_rotate(q) * hadamard_rotate(x)).sum(-1) / block, (q * x).sum(-1), torch.float32)
 
@@ -207,9 +207,9 @@ def test_int8_write_is_the_reference_per_token_and_meets_the_element_bound(build
     for name, ours, theirs in (("k_cache", kc, rc), ("v_cache", vc, rv), ("k_scale", ks, rks), ("v_scale", vs, rvs)):
         assert torch.equal(ours, theirs), (isa, name)
     valid = slots >= 0
-    for which, rows, cache, scale in ((0, hadamard_rotate(k), kc, ks), (1, v, vc, vs)):  # K: the rotated rows
+    for which, written, cache, scale in ((0, hadamard_rotate(k), kc, ks), (1, hadamard_rotate(v), vc, vs)):  # rotated
         stored = values(cache, scale).view(-1, hkv, d)[slots[valid]]
-        x, s = rows[valid], slot_scales(scale, slots[valid], torch.int8, block_size)[:, :, None].expand(-1, -1, d)
+        x, s = written[valid], slot_scales(scale, slots[valid], torch.int8, block_size)[:, :, None].expand(-1, -1, d)
         finite = x.isfinite()
         error = (stored - x).abs()
         assert bool((error[finite] <= element_bound(torch.int8, x, s)[finite]).all()), (
@@ -258,9 +258,9 @@ def test_fp8_write_is_the_policy_reference_per_token_and_meets_the_element_bound
     for name, ours, theirs in (("k_cache", kc, rc), ("v_cache", vc, rv), ("k_scale", ks, rks), ("v_scale", vs, rvs)):
         assert torch.equal(_bits(ours), _bits(theirs)), (isa, name)
     valid = slots >= 0
-    for which, rows, cache, scale in ((0, k, kc, ks), (1, v, vc, vs)):
+    for which, written, cache, scale in ((0, k, kc, ks), (1, v, vc, vs)):
         stored = values(cache, scale).view(-1, hkv, d)[slots[valid]]
-        x, s = rows[valid], scale[slots[valid] // block_size][:, :, None].expand(-1, -1, d)
+        x, s = written[valid], scale[slots[valid] // block_size][:, :, None].expand(-1, -1, d)
         finite = x.isfinite()
         error = (stored - x).abs()
         assert bool((error[finite] <= element_bound(FP8_DTYPE, x, s)[finite]).all()), (isa, which)
@@ -309,8 +309,8 @@ def test_the_read_applies_each_scale_where_it_belongs(build, page_dtype):
     assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, lens, 0.2, out, library=lib, k_scale=ks,
                                                   v_scale=vs)
     wide = torch.float32 if page_dtype == torch.int8 else torch.bfloat16
-    kb, vb = keys(kc, ks).to(wide), values(vc, vs).to(wide)
-    assert torch.equal(kb.float().nan_to_num(), keys(kc, ks).nan_to_num())  # fp8: exact in bfloat16
+    kb, vb = page_rows(kc, ks).to(wide), page_rows(vc, vs).to(wide)
+    assert torch.equal(kb.float().nan_to_num(), page_rows(kc, ks).nan_to_num())  # fp8: exact in bfloat16
     expected = poison(torch.empty_like(q))
     assert cpu_kernels.paged_decode_attention_cpu(q, kb, vb, tables, lens, 0.2, expected, library=lib)
     assert bool(out[2, 2:4].isnan().all()) and bool(out[:2].isfinite().all()) and bool(out[2, [0, 1, 4, 5]].isfinite().all())
@@ -372,21 +372,21 @@ def test_scaled_pages_stay_within_the_bound_their_errors_imply(build, page_dtype
     assert cpu_kernels.paged_decode_attention_cpu(q, kc, vc, tables, lens, scale, out, library=lib, k_scale=ks,
                                                   v_scale=vs)
     kf, vf = float_pool(k, slots, num_blocks, block_size), float_pool(v, slots, num_blocks, block_size)
-    reference, bound = attention64_with_bound(q, kf, vf, keys(kc, ks), values(vc, vs), tables, lens, scale)
+    reference, bound = attention64_with_bound(q, kf, vf, page_rows(kc, ks), page_rows(vc, vs), tables, lens, scale)
     error = (out.double() - reference).abs()
     limit = bound + FLOAT32_TOLERANCE * max(float(reference.abs().max()), 1.0)
     worst = float((error / limit).max())
     assert bool(out.isfinite().all()) and worst <= 1.0, (isa, worst)
     # the kernel's own part: attention over what the pages hold, to float32's tolerance
-    stored = attention64_with_bound(q, keys(kc, ks), values(vc, vs), keys(kc, ks), values(vc, vs), tables, lens,
+    stored = attention64_with_bound(q, page_rows(kc, ks), page_rows(vc, vs), page_rows(kc, ks), page_rows(vc, vs), tables, lens,
                                     scale)[0]
     assert_close(out, stored, torch.float32)
     # and the stored errors behind the bound meet the per-element contract
-    for x, cache, s, rotated in ((kf, kc, ks, page_dtype == torch.int8), (vf, vc, vs, False)):
-        e = (keys(cache, s) if cache is kc else values(cache, s)) - x
+    for x, cache, s in ((kf, kc, ks), (vf, vc, vs)):
+        e = page_rows(cache, s) - x
         e = e.abs().flatten(0, 1)[slots]
         limit = element_bound(page_dtype, x.flatten(0, 1)[slots], slot_scales(s, slots, page_dtype, block_size)[..., None],
-                              rotated=rotated)
+                              rotated=page_dtype == torch.int8)
         assert bool((e <= limit).all()), isa
 
 
@@ -459,7 +459,7 @@ def test_fused_call_is_the_same_however_a_prompt_is_split(build, page_dtype):
     half = d // 2
     qr = qr * cos.double()[:, None] + torch.cat([-qr[..., half:], qr[..., :half]], -1) * sin.double()[:, None]
     expected = paged_attention.paged_decode_attention_reference(
-        qr[[39]], keys(kc, ks).double(), values(vc, vs).double(), row_tables[[39]], lens[[39]], 0.125)
+        qr[[39]], page_rows(kc, ks).double(), page_rows(vc, vs).double(), row_tables[[39]], lens[[39]], 0.125)
     assert_close(out.view(41, hq, d)[[39]], expected, torch.float32)
 
 

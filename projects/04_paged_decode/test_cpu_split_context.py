@@ -12,7 +12,7 @@ import torch
 
 from kernel_lab.harness.testing import ISA_BUILDS, assert_close, case_seed, generator, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels
-from kernel_lab.ops.kv_cache import FP8_DTYPE, dequantize_pages, element_scales, int8_keys, write_kv_reference
+from kernel_lab.ops.kv_cache import FP8_DTYPE, dequantize_pages, element_scales, int8_rows, write_kv_reference
 from kernel_lab.ops.paged_attention import paged_decode_attention_reference
 
 FORMATS = [torch.float32, torch.float16, torch.bfloat16, torch.int8, FP8_DTYPE]
@@ -43,8 +43,9 @@ def paged_case(seed, lengths, dtype, num_q_heads, num_kv_heads, head_dim, block_
     if dtype in (torch.int8, FP8_DTYPE):
         write_kv_reference(k, v, kc, vc, slots, ks, vs)
         kd = dequantize_pages(kc, element_scales(ks, dtype)).double()
-        kd = int8_keys(kd).double() if dtype == torch.int8 else kd
+        kd = int8_rows(kd).double() if dtype == torch.int8 else kd
         vd = dequantize_pages(vc, element_scales(vs, dtype)).double()
+        vd = int8_rows(vd).double() if dtype == torch.int8 else vd
     else:
         kc.view(-1, num_kv_heads, head_dim)[slots] = k.to(dtype)
         vc.view(-1, num_kv_heads, head_dim)[slots] = v.to(dtype)

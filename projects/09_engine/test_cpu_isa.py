@@ -20,7 +20,7 @@ import torch
 
 from kernel_lab.harness.testing import assert_close, case_seed, generator, poison, randn
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels, gguf_linear
-from kernel_lab.ops.kv_cache import dequantize_pages, element_scales, int8_keys, write_kv_reference
+from kernel_lab.ops.kv_cache import dequantize_pages, element_scales, int8_rows, write_kv_reference
 from kernel_lab.ops.paged_attention import paged_decode_attention_reference
 from kernel_lab.ops.token_bitmask import apply_token_bitmask_reference
 
@@ -175,9 +175,11 @@ def _scaled_pages(kc, vc, lengths, tables, block_size, dtype=torch.int8):
 
 
 def _dequantized_pages(k8, v8, ks, vs, page_dtype):
-    """Float64 K and V from scaled pages, int8 K rotated back (int8 pages hold H k: kv_cache's docstring)."""
+    """Float64 K and V from scaled pages, int8 rows rotated back (they hold H k, H v: kv_cache's docstring)."""
     kd, vd = (dequantize_pages(c, element_scales(s, page_dtype)).double() for c, s in ((k8, ks), (v8, vs)))
-    return (int8_keys(kd).double() if page_dtype == torch.int8 else kd), vd
+    if page_dtype == torch.int8:
+        kd, vd = int8_rows(kd).double(), int8_rows(vd).double()
+    return kd, vd
 
 
 @pytest.mark.parametrize("hq, hkv, d, block_size", [(9, 3, 64, 16), (6, 3, 96, 16), (5, 5, 36, 8)])

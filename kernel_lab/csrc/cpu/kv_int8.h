@@ -8,8 +8,9 @@
  * |x - code * s| <= s / 2 (plus float32's rounding of the division and the product). Nothing is ever
  * requantised: a later token (or a rejected draft's) cannot move another token's codes, and a token that
  * holds little (the first, attention-sink token of SmolLM2 has a row amax a third of its page's) keeps
- * 8 bits of its own range, not of its page's largest row. K rows are rotated by a Hadamard matrix first
- * (hadamard_rotate below), and a query that reads them is rotated the same way. This is
+ * 8 bits of its own range, not of its page's largest row. K and V rows are rotated by a Hadamard matrix
+ * first (hadamard_rotate below): a query that reads K is rotated the same way, and the attention output
+ * (a sum of rotated V rows) is rotated back once per head. This is
  * kernel_lab/ops/kv_cache.py's int8 write (`write_kv_reference`), bit for bit.
  *
  * fp8 pages keep project 05's format, shared with the CUDA kernels: one float32 scale per page and KV head
@@ -77,7 +78,7 @@ static inline float int8_token_scale(float amax) {
     return s < 1.17549435e-38f ? 1.17549435e-38f : s;
 }
 
-/* int8 K rows are stored Walsh-Hadamard-rotated (kernel_lab/ops/kv_cache.py's docstring says why): Sylvester's
+/* int8 K and V rows are stored Walsh-Hadamard-rotated (kernel_lab/ops/kv_cache.py's docstring says why): Sylvester's
  * unnormalised Hadamard matrix H (entries +-1, H H = n I) on blocks of `hadamard_block(head_dim)` channels,
  * the largest power of two dividing head_dim (all 64 of a 64-wide head). */
 static inline int hadamard_block(int head_dim) { return head_dim & -head_dim; }
@@ -96,15 +97,13 @@ static inline void hadamard_rotate(float *x, int n) {
                 }
 }
 
-/* One token's row of one KV head into int8 pages with its own scale (`*scale`, the token and head's).
- * `rotated`: NULL for a V row; for a K row, head_dim floats of scratch where H x is formed and quantised. */
+/* One token's row of one KV head (K or V) into int8 pages with its own scale (`*scale`, the token and
+ * head's): `rotated`, head_dim floats of scratch, is where H x is formed and quantised. */
 static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scale,
                                   float *restrict rotated) {
-    if (rotated) {
-        memcpy(rotated, x, (size_t)head_dim * sizeof(float));
-        hadamard_rotate(rotated, head_dim);
-        x = rotated;
-    }
+    memcpy(rotated, x, (size_t)head_dim * sizeof(float));
+    hadamard_rotate(rotated, head_dim);
+    x = rotated;
     const float s = int8_token_scale(finite_amax(x, head_dim));
     *scale = s;
     for (int d = 0; d < head_dim; ++d) dst[d] = int8_code(x[d], s);

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
  * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
  * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token and KV head
- * and hold K rows Hadamard-rotated, fp8 pages one scale per page and KV head, kv_int8.h).
+ * and hold K and V rows Hadamard-rotated, fp8 pages one scale per page and KV head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -339,6 +339,17 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
             }
         }
     }
+    /* int8 V rows hold H v, so acc holds H (sum p v): rotated back here, H H = block * I, 1 / block (a power of
+     * two) exact. The spans' merge is linear, so a partial state is rotated back before it is stored. */
+    if (format == KV_I8) {
+        const float inv_block = 1.0f / (float)hadamard_block(head_dim);
+        for (int h = 0; h < num_q_heads; ++h) {
+            float *a = acc + h * row;
+            hadamard_rotate(a, head_dim);
+#pragma omp simd
+            for (int d = 0; d < head_dim; ++d) a[d] *= inv_block;
+        }
+    }
     if (span->partial < 0) {
         for (int h = 0; h < num_q_heads; ++h) {
             /* The token at the running max weighs exactly 1, so the sum is >= 1. */
@@ -546,7 +557,7 @@ static inline void rope_row(const float *restrict x, const float *restrict cos_r
  * elements (bytes, for one-byte codes). */
 static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t *cache, float *scales,
                                int64_t stride_block, int64_t stride_token, int64_t stride_head, int num_kv_heads,
-                               int head_dim, int block_size, float *rotated) { /* rotated: K's scratch, NULL for V */
+                               int head_dim, int block_size, float *rotated) { /* rotated: int8's scratch */
     const int64_t block = slot / block_size;
     const int offset = (int)(slot % block_size);
     for (int h = 0; h < num_kv_heads; ++h) {
@@ -577,7 +588,7 @@ int kl_write_kv_scaled(int kv_format, const float *key, const float *value, cons
         write_token_scaled(kv_format, key + t * row, slots[t], k_cache, k_scale, cache_stride_block,
                            cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, rotated);
         write_token_scaled(kv_format, value + t * row, slots[t], v_cache, v_scale, cache_stride_block,
-                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, NULL);
+                           cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, rotated);
     }
     free(rotated);
     return 0;
@@ -615,9 +626,9 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
     if (kv_scaled(kv_format) && (!k_scale || !v_scale)) return -2;
     const int64_t q_row = (int64_t)num_q_heads * head_dim, kv_row = (int64_t)num_kv_heads * head_dim;
     const int64_t element = kv_element_bytes(kv_format);
-    /* The query rows, then the token's rotated K rows (converted from there when the pages are narrow). */
+    /* The query rows, then the token's roped K rows (converted from there when the pages are narrow). */
     float *q = malloc(((size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row + (size_t)kv_row + (size_t)head_dim) *
-                      sizeof(float)); /* + head_dim: an int8 K row's rotation */
+                      sizeof(float)); /* + head_dim: an int8 row's rotation */
     if (!q) return -1;
     float *k_row = q + (size_t)(tokens > 0 ? tokens : 1) * (size_t)q_row;
     int status = 0;
@@ -633,7 +644,8 @@ int kl_rope_write_paged_attention(const float *qkv, int64_t qkv_stride, const fl
             write_token_scaled(kv_format, k_row, slot, k_cache, k_scale, cache_stride_block, cache_stride_token,
                                cache_stride_head, num_kv_heads, head_dim, block_size, k_row + kv_row);
             write_token_scaled(kv_format, src + q_row + kv_row, slot, v_cache, v_scale, cache_stride_block,
-                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size, NULL);
+                               cache_stride_token, cache_stride_head, num_kv_heads, head_dim, block_size,
+                               k_row + kv_row);
         } else if (slot >= 0) {
             const int64_t at = slot / block_size * cache_stride_block + slot % block_size * cache_stride_token;
             for (int h = 0; h < num_kv_heads; ++h) {
