@@ -78,6 +78,19 @@ def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) 
     return resolved
 
 
+def resolve_lora_dtype(name, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """LoRA slots' dtype (vLLM's --lora-dtype): auto is the activation dtype. Under float32 activations on CPU
+    bfloat16 slots are read by csrc/cpu/lora.c too (half the bytes); any other mix has no kernel."""
+    resolved = dtype if name in (None, "auto") else name if isinstance(name, torch.dtype) else _DTYPES.get(name)
+    if resolved is None:
+        raise ValueError(f"lora_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {name!r}")
+    if resolved != dtype and not (device.type == "cpu" and dtype == torch.float32 and resolved == torch.bfloat16):
+        raise ValueError(f"lora_dtype {name!r} under {str(dtype).removeprefix('torch.')} activations on "
+                         f"{device.type} has no LoRA kernel; use 'auto' (the activation dtype)"
+                         f"{' or bfloat16' if device.type == 'cpu' and dtype == torch.float32 else ''}")
+    return resolved
+
+
 def _option(default, help_text: str, choices=None):
     """A field that is also a command-line flag (arg_utils.add_engine_arguments)."""
     return field(default=default, metadata={"help": help_text, "choices": choices})
@@ -86,8 +99,8 @@ def _option(default, help_text: str, choices=None):
 @dataclass
 class EngineConfig:
     """`model`: None (the bundled SmolLM2-135M-Instruct), a GGUF file or Hugging Face directory, or a
-    config.json as a dict (random weights, token-id prompts only). After construction `device`, `dtype` and
-    `kv_cache_dtype` hold torch objects and `max_num_batched_tokens` a number. Two fields are filled in
+    config.json as a dict (random weights, token-id prompts only). After construction `device`, `dtype`,
+    `kv_cache_dtype` and `lora_dtype` hold torch objects and `max_num_batched_tokens` a number. Two fields are filled in
     later, by the parts that can know them: `weights` by model_loader.load_model (the path taken) and
     `num_kv_blocks` by the ModelRunner (its default depends on the model's activations on CUDA).
 
@@ -122,6 +135,9 @@ class EngineConfig:
     enable_lora: bool = _option(False, "serve LoRA adapters (LLM.generate(..., lora_request=LoRARequest(...)))")
     max_loras: int = _option(1, "LoRA adapters resident at once (device slots; LRU eviction)")
     max_lora_rank: int = _option(16, "largest LoRA rank an adapter may have (slots are padded to it)")
+    lora_dtype: str | torch.dtype = _option("auto", "LoRA slot dtype (auto: the activation dtype); bfloat16 under "
+                                                    "float32 activations on CPU halves the adapters' bytes",
+                                            choices=("auto", "float32", "bfloat16", "float16"))
     speculative_config: str | dict | None = _option(None, "speculative decoding, vLLM's JSON, e.g. "
                                                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                                           "\"prompt_lookup_max\": 4}' (default: off)")
@@ -170,6 +186,7 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.device, self.dtype)
+        self.lora_dtype = resolve_lora_dtype(self.lora_dtype, self.device, self.dtype)
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < self.blocks_per_seq):
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must hold at least one sequence of "

@@ -36,8 +36,8 @@ class LLMEngine(LoRAEngineCalls):
     def __init__(self, model=None, **options):
         self.config = config = EngineConfig(model, **options)
         model, self.tokenizer = load_model(config)
-        self.lora = (LoRAManager(model, config.model_config, config.max_loras, config.max_lora_rank, config.dtype,
-                                 config.device, config.max_num_seqs) if config.enable_lora else None)
+        self.lora = (LoRAManager(model, config.model_config, config.max_loras, config.max_lora_rank,
+                                 config.lora_dtype, config.device, config.max_num_seqs) if config.enable_lora else None)
         self.runner = ModelRunner(config, model)    # sizes the KV pool: config.num_kv_blocks
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -28,6 +28,7 @@ import torch
 
 from kernel_lab.ops import cpu_kernels
 from kernel_lab.ops.gguf_linear import PackedWeight
+from kernel_lab.ops.lora import LORA_WEIGHT_FORMATS
 
 LAYER_FIELDS = 14   # as decode_stack.c, and its LoRA words:
 LORA_HEADER, LORA_PROJECTION = 4, 8
@@ -68,14 +69,17 @@ class StackPlan:
 
     def lora_words(self, manager):
         """decode_stack.c's LoRA words for the manager's slots (built once: the slot tensors never move), or
-        None where the C loop cannot apply them (slots not float32, or a projection it does not make)."""
+        None where the C loop cannot apply them (slots neither float32 nor bfloat16, or a projection it does not
+        make)."""
         if self._lora[0] is manager:
             return self._lora[1]
         words = None
         stacks = [[manager.stacks.get((i, name)) for name in LORA_PROJECTIONS] for i in range(len(self.weights))]
-        if all(ab is not None and ab[0].dtype == ab[1].dtype == torch.float32 and ab[0].is_contiguous()
-               for layer in stacks for ab in layer) and manager.scale.is_contiguous():
-            header = [manager.scale.data_ptr(), manager.max_loras, manager.max_lora_rank, 0]
+        dtype = stacks[0][0][0].dtype if stacks and stacks[0][0] is not None else None
+        if dtype in LORA_WEIGHT_FORMATS and all(
+                ab is not None and ab[0].dtype == ab[1].dtype == dtype and ab[0].is_contiguous()
+                for layer in stacks for ab in layer) and manager.scale.is_contiguous():
+            header = [manager.scale.data_ptr(), manager.max_loras, manager.max_lora_rank, LORA_WEIGHT_FORMATS[dtype]]
             for name in LORA_PROJECTIONS:
                 offsets = manager.projections[name].offsets
                 header += [len(offsets) - 1, *offsets, *[0] * (4 - len(offsets)), *stacks[0][LORA_PROJECTIONS.index(

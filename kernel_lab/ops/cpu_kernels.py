@@ -242,9 +242,9 @@ _SIGNATURES = {
                             ctypes.c_int),
     },
     "lora": {
-        # y, ldy, x, ldx, rows, k, n, row_slots, num_slots, a, b, b strides (slot, n, r), scale, num_slices, rank,
-        # offsets, threads
-        "kl_lora_bgmv": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64,
+        # y, ldy, x, ldx, rows, k, n, row_slots, num_slots, a, b, weight_format, b strides (slot, n, r), scale,
+        # num_slices, rank, offsets, threads
+        "kl_lora_bgmv": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _int, _i64, _i64, _i64,
                           _ptr, _int, _int, _ptr, _int], ctypes.c_int),
         # gguf_linear's kl_parallel_for (NULL: single-threaded)
         "kl_lora_use_pool": ([_ptr], None),

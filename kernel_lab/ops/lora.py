@@ -7,14 +7,16 @@ for every row t whose adapter a_t is not -1 (the base model: its rows of y are n
 
 Shapes: x [T, K]; lora_a [L, S, R, K] (L adapters, S stacked slices such as q|k|v, rank R); lora_b [L, N, R]
 with slice s owning rows off_s..off_{s+1} of each adapter's B and the same columns of y [T, N]; scale fp32
-[L]; h fp32 [T, S*R]. Adapters of a smaller rank are stored zero-padded to R (their padding adds zeros), and an
-adapter that leaves a slice out stores zeros there.
+[L]; h fp32 [T, S*R]. A and B are in x's dtype, or bfloat16 under float32 x on CPU (vLLM's --lora-dtype:
+half the bytes, widened exactly). Adapters of a smaller rank are stored zero-padded to R (their padding adds
+zeros), and an adapter that leaves a slice out stores zeros there.
 
 Two row layouts, one kernel per step: *BGMV* (`row_adapters` [T]: one adapter index per row, decode) and *SGMV*
 (`Segments`: runs of rows sharing one adapter, prefill chunks). A program owns one segment (a row, in BGMV)
 and reads its adapter's A and B once. The design and the traffic model: projects/11_multi_lora/README.md.
 
-Dispatch: CUDA tensors (and CPU tensors under TRITON_INTERPRET=1) run the Triton kernels. On CPU, `add_lora`
+Dispatch: CUDA tensors (and CPU tensors under TRITON_INTERPRET=1, but for bfloat16 weights under float32 x)
+run the Triton kernels. On CPU, `add_lora`
 with float32 x and y runs csrc/cpu/lora.c (`add_lora_cpu`: shrink and expand in one C call on gguf_linear's
 pool, the form decode_stack.c calls too); other CPU calls, and any where the C library is unavailable, run
 `_shrink_cpu` / `_expand_cpu`: one torch matmul per adapter present (per segment in SGMV), in fp32; a BGMV map
@@ -40,6 +42,8 @@ BLOCK_K = 64  # shrink's reduction tile over x's width (fp32: FP32_BLOCK_K, its 
 FP32_BLOCK_K = 16
 BLOCK_N = 64  # expand's tile over one slice's output columns (fp32: FP32_BLOCK_N, for the same reason)
 FP32_BLOCK_N = 32
+# csrc/cpu/lora.c's weight_format codes: the A/B dtypes its kl_lora_bgmv reads
+LORA_WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 # --------------------------------------------------------------------------------------------- row layouts
@@ -311,7 +315,8 @@ def add_lora_cpu(y, x, lora_a, lora_b, scale, offsets: tuple[int, ...], row_adap
     weights and scale. False (nothing written): use the torch path. Shapes and index values are the caller's
     checks. `threads`: at most this many of the pool's threads (default `cpu_kernels.attention_threads()`); the
     bits are the same for any count. `library`: another build (the tests' narrowed ISA builds)."""
-    if not (x.dtype == y.dtype == lora_a.dtype == lora_b.dtype == torch.float32 and y.device.type == "cpu"):
+    if not (x.dtype == y.dtype == torch.float32 and lora_a.dtype == lora_b.dtype in LORA_WEIGHT_FORMATS
+            and y.device.type == "cpu"):
         return False
     lib = library if library is not None else cpu_kernels.load_library("lora")
     if lib is None:
@@ -323,7 +328,8 @@ def add_lora_cpu(y, x, lora_a, lora_b, scale, offsets: tuple[int, ...], row_adap
     lora_a, scale = lora_a.contiguous(), scale.contiguous()
     L, S, R, K = lora_a.shape
     status = lib.kl_lora_bgmv(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), x.shape[0], K, y.shape[1],
-                              slots.data_ptr(), L, lora_a.data_ptr(), lora_b.data_ptr(), *lora_b.stride(),
+                              slots.data_ptr(), L, lora_a.data_ptr(), lora_b.data_ptr(),
+                              LORA_WEIGHT_FORMATS[lora_a.dtype], *lora_b.stride(),
                               scale.data_ptr(), S, R, _offset_words(offsets), cpu_kernels.attention_threads(threads))
     if status != 0:
         raise RuntimeError(f"kl_lora_bgmv failed with status {status}")
@@ -395,7 +401,9 @@ def _check_slice_offsets(slice_offsets, num_slices: int, width: int) -> tuple[in
 
 
 def _check_weights(name: str, t: torch.Tensor, dtype, ndim: int) -> None:
-    check_tensor(name, t, dtypes=(dtype,), ndim=ndim)
+    """A or B: in the activations' dtype, or bfloat16 under float32 activations on CPU (module docstring)."""
+    narrow = dtype == torch.float32 and t.device.type == "cpu"
+    check_tensor(name, t, dtypes=(dtype, torch.bfloat16) if narrow else (dtype,), ndim=ndim)
     if t.stride(-1) == 1:
         return
     if name == "lora_b" and t.device.type == "cpu" and t.stride(1) == 1:
@@ -458,7 +466,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, *, row_adapters: torch.Te
     h = out if out is not None else torch.zeros((x.shape[0], S * R), dtype=torch.float32, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    (_shrink_triton if use_triton(x) else _shrink_cpu)(x, lora_a, h, row_adapters, segments)
+    (_shrink_triton if use_triton(x) and lora_a.dtype == x.dtype else _shrink_cpu)(x, lora_a, h, row_adapters,
+                                                                                  segments)
     return h
 
 
@@ -470,7 +479,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, scale: t
     device copy is cached per device: call once before capturing a CUDA graph)."""
     offsets = _check_expand(y, h, lora_b, scale, slice_offsets)
     _check_rows_or_segments("y", y, lora_b.shape[0], row_adapters, segments, validate)
-    (_expand_triton if use_triton(y) else _expand_cpu)(y, h, lora_b, scale, offsets, row_adapters, segments)
+    (_expand_triton if use_triton(y) and lora_b.dtype == y.dtype else _expand_cpu)(y, h, lora_b, scale, offsets,
+                                                                                   row_adapters, segments)
     return y
 
 
@@ -484,7 +494,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
                          f"has shape {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
     if x.dim() == 2 and y.dim() == 2 and x.shape[0] != y.shape[0]:
         raise ValueError(f"y must have x's {x.shape[0]} rows, got shape {tuple(y.shape)}")
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype == torch.float32 and not use_triton(x):
+    # bfloat16 weights under float32 x (CPU only) take the C kernel even under the interpreter: the Triton
+    # kernels read weights in x's dtype
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype == torch.float32 and (
+            not use_triton(x) or getattr(lora_a, "dtype", None) == torch.bfloat16):
         _check_shrink(x, lora_a, None)   # one C call, with the two steps' checks
         offsets = _check_expand(y, None, lora_b, scale, slice_offsets, num_slices=lora_a.shape[1])
         _check_rows_or_segments("x", x, lora_a.shape[0], row_adapters, segments, validate)

@@ -1,7 +1,7 @@
 """Project 11, in the engine: output tok/s with 0, 1, 4 and 8 distinct LoRA adapters in the mix, on CPU.
 
     python projects/11_multi_lora/engine_benchmark.py [--concurrency 8 32] [--adapters 0 1 4 8] [--reps 2]
-        [--rank 16] [--input-len 64] [--output-len 64] [--threads N] [--out results]
+        [--rank 16] [--input-len 64] [--output-len 64] [--threads N] [--lora-dtype auto|bfloat16] [--out results]
 
 The bundled SmolLM2-135M-Instruct (its default quantized weights), random PEFT adapters of rank --rank on all
 seven projections (kernel_lab/harness/random_lora.py). Per concurrency c, 2c requests of random prompt ids
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--lora-dtype", default="auto", help="the LoRA engine's slot dtype (vLLM's --lora-dtype)")
     parser.add_argument("--out", default=None, help="results directory for the record (e.g. results)")
     parser.add_argument("--note", default="", help="appended to the record's description (e.g. machine load)")
     args = parser.parse_args(argv)
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
         adapters.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp.name) / f"a{i}")))
     common = dict(device="cpu", max_num_seqs=max(args.concurrency), max_model_len=args.input_len + args.output_len)
     base = LLMEngine(None, **common)
-    lora = LLMEngine(None, enable_lora=True, max_loras=max(most, 1), max_lora_rank=args.rank, **common)
+    lora = LLMEngine(None, enable_lora=True, max_loras=max(most, 1), max_lora_rank=args.rank,
+                     lora_dtype=args.lora_dtype, **common)
+    slots = str(lora.config.lora_dtype).removeprefix("torch.")
     rng = random.Random(0)
     vocab = base.config.vocab_size
     special = set(base.tokenizer.all_special_ids)
@@ -102,8 +105,10 @@ def main(argv=None) -> int:
 
     weights = base.stats()["weights"]
     record = ResultRecord(
-        "11_multi_lora", f"LoRA adapters in the mix, output tok/s ({weights} weights)", "cpu", ceilings_record={},
-        description=f"Bundled SmolLM2-135M-Instruct, {weights} weights, random PEFT adapters of rank {args.rank} on "
+        "11_multi_lora", f"LoRA adapters in the mix, output tok/s ({weights} weights"
+                         f"{'' if args.lora_dtype == 'auto' else f', {slots} slots'})", "cpu", ceilings_record={},
+        description=f"Bundled SmolLM2-135M-Instruct, {weights} weights, random PEFT adapters of rank {args.rank} in "
+                    f"{slots} slots on "
                     f"all seven projections, {args.threads} thread(s); per concurrency c, 2c requests of "
                     f"{args.input_len} random prompt ids + {args.output_len} greedy tokens (EOS ignored), "
                     "round-robin over the point's adapters; baseline: the same workload on an engine without "

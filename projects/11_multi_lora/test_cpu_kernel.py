@@ -55,6 +55,44 @@ def test_matches_the_float64_reference(lib, b_layout, widths, rank, k, threads):
 
 
 @pytest.mark.parametrize("b_layout", ["n_r", "r_n"])
+@pytest.mark.parametrize("widths,rank,k", [((20, 12, 12), 13, 45), ((128, 64), 16, 96), ((37,), 64, 131)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_slots_give_the_bits_of_float32_slots_holding_the_same_values(lib, b_layout, widths, rank, k,
+                                                                               threads):
+    """--lora-dtype bfloat16: the kernel widens each weight exactly, so bfloat16 A and B give the same bits as
+    float32 A and B rounded to bfloat16 (64-column register blocks and the generic tail both), and the float64
+    reference of those values within float32's tolerance."""
+    rows = torch.tensor(MAP, dtype=torch.int32)
+    x, y, lora_a, lora_b, scale = case(widths, rank, k, 5, len(MAP), 17, b_layout)
+    a16, b16 = lora_a.to(torch.bfloat16), lora_b.to(torch.bfloat16)
+    a32, b32 = a16.float(), b16.float()
+    if b_layout == "r_n":
+        b16, b32 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (b16, b32))
+    assert not torch.equal(a32, lora_a), "the case must hold values bfloat16 rounds"
+    narrow, wide = y.clone(), y.clone()
+    assert add_lora_cpu(narrow, x, a16, b16, scale, offsets_of(widths), rows, None, threads=threads, library=lib)
+    assert add_lora_cpu(wide, x, a32, b32, scale, offsets_of(widths), rows, None, threads=threads, library=lib)
+    assert torch.equal(narrow.view(torch.int32), wide.view(torch.int32))
+    expected = lora_reference(y.double(), x.double(), a32.double(), b32.double(), scale.double(),
+                              offsets_of(widths), rows)
+    assert_close(narrow[rows >= 0], expected[rows >= 0], torch.float32)
+
+
+def test_add_lora_takes_bfloat16_weights_under_float32_activations_on_cpu_only():
+    """The public op: bfloat16 A/B beside float32 x run the C kernel (under the interpreter too: the Triton
+    kernels read weights in x's dtype); bfloat16 A with float16 B is refused by name where they enter."""
+    rows = torch.tensor(MAP, dtype=torch.int32)
+    x, y, lora_a, lora_b, scale = case((20, 12), 8, 33, 5, len(MAP), 23, "n_r")
+    expected = y.clone()
+    assert add_lora_cpu(expected, x, lora_a.bfloat16().float(), lora_b.bfloat16().float(), scale,
+                        offsets_of((20, 12)), rows, None)
+    add_lora(y, x, lora_a.bfloat16(), lora_b.bfloat16(), scale, offsets_of((20, 12)), row_adapters=rows)
+    assert torch.equal(y, expected)
+    with pytest.raises((TypeError, ValueError), match="lora_b"):
+        add_lora(y, x, lora_a.bfloat16(), lora_b.half(), scale, offsets_of((20, 12)), row_adapters=rows)
+
+
+@pytest.mark.parametrize("b_layout", ["n_r", "r_n"])
 def test_a_rows_bits_do_not_depend_on_the_batch_threads_or_layout(lib, b_layout):
     """The engine's shapes (SmolLM2's q|k|v: 576 | 192 | 192 over 576, rank 16), 4 adapters, 9 rows."""
     widths, offsets = (576, 192, 192), offsets_of((576, 192, 192))

@@ -155,6 +155,32 @@ def test_mixed_batch_matches_merged_transformers(setup):
     assert not llm.engine.lora.seq_slots and not +llm.engine.lora.pins, "adapter slots leaked"
 
 
+def test_bfloat16_slots_equal_float32_slots_of_the_rounded_adapters(setup):
+    """--lora-dtype bfloat16 (CPU, float32 activations): the same tokens as float32 slots holding each adapter
+    rounded to bfloat16, in a batch mixing three adapters and the base (the kernel widens the weights exactly,
+    so the two engines compute the same bits)."""
+    checkpoint, _, adapters, _ = setup
+    cases = [(SHARED, "r8"), (SHARED, "r32"), (SHARED, None), (OTHER, "partial"), (OTHER, "r32")]
+    narrow = LLM(str(checkpoint), max_loras=3, lora_dtype="bfloat16", **ENGINE)
+    assert all(a.dtype == torch.bfloat16 for a, _ in narrow.engine.lora.stacks.values())
+    wide = LLM(str(checkpoint), max_loras=3, **ENGINE)
+    for name in ("r8", "r32", "partial"):
+        parsed = wide.engine.lora.register(adapters[name][0])
+        for key, (a, b) in parsed.weights.items():
+            parsed.weights[key] = (a.bfloat16().float(), b.bfloat16().float())
+    assert run(narrow, cases, adapters) == run(wide, cases, adapters)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(lora_dtype="float16"), "lora_dtype 'float16' under float32 activations on cpu has no LoRA kernel"),
+    (dict(lora_dtype="int4"), "lora_dtype must be"),
+])
+def test_lora_dtype_without_a_kernel_is_refused_by_name(setup, options, match):
+    checkpoint, _, _, _ = setup
+    with pytest.raises(ValueError, match=match):
+        LLM(str(checkpoint), max_loras=1, **{**ENGINE, **options})
+
+
 def test_lru_eviction_with_fewer_slots_than_adapters(setup):
     """Two slots, three adapters and the base: sequences wait for a slot, least recently used adapters are
     evicted and reloaded, and every output still equals the merged reference."""

@@ -21,7 +21,7 @@ typedef void (*norm_fn)(const float *, int64_t, const float *, int64_t, const fl
                         float *, int64_t, int64_t, int64_t);
 typedef void (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t);
 typedef int (*lora_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, const int32_t *, int,
-                       const float *, const float *, int64_t, int64_t, int64_t, const float *, int, int,
+                       const void *, const void *, int, int64_t, int64_t, int64_t, const float *, int, int,
                        const int64_t *, int);
 typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, const int64_t *, void *,
                             void *, int, float *, float *, int64_t, int64_t, int64_t, const int32_t *, int64_t,
@@ -33,7 +33,7 @@ typedef int (*attention_fn)(const float *, int64_t, const float *, const float *
 #define LAYER_FIELDS 14
 
 /* LoRA (engine/lora.py's slots; NULL `lora` or `row_slots`: none), LORA_HEADER words: scale pointer, slots,
- * rank, 0; then per projection (qkv, o, gate_up, down) LORA_PROJECTION words: slices S, S + 1
+ * rank, the slots' weight format (lora.c's: 0 float32, 1 bfloat16); then per projection (qkv, o, gate_up, down) LORA_PROJECTION words: slices S, S + 1
  * column offsets (room for 4), B's strides (slot, n, r); then per layer, per projection, A and B pointers
  * (LORA_LAYER words). After each projection kl_lora_bgmv (fns[4]) adds the rows' deltas, as the layer
  * loop's LoRALinear does through add_lora. */
@@ -72,7 +72,8 @@ int kl_decode_stack(const int64_t *layers, int num_layers, void *const *fns, con
         const int64_t *pr = lora + LORA_HEADER + (p) * LORA_PROJECTION;                                          \
         const int64_t *ab = lora + LORA_HEADER + 4 * LORA_PROJECTION + (int64_t)i * LORA_LAYER + 2 * (p);        \
         if ((status = add_lora((y), (n), (x), (k), rows, (k), (n), row_slots, (int)lora[1],                      \
-                               (const float *)(intptr_t)ab[0], (const float *)(intptr_t)ab[1], pr[5], pr[6],      \
+                               (const void *)(intptr_t)ab[0], (const void *)(intptr_t)ab[1], (int)lora[3],       \
+                               pr[5], pr[6],                                                                     \
                                pr[7], (const float *)(intptr_t)lora[0], (int)pr[0], (int)lora[2], pr + 1,         \
                                threads)))                                                                        \
             return status;                                                                                       \
