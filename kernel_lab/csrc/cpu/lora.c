@@ -125,20 +125,11 @@ static void shrink_group(const Lora *L, int g, int64_t j0, int64_t j1) {
 #define EXPAND_BLOCK 256
 #define TILE_RANKS 16
 
-static inline void axpy(float *acc, float hv, const float *row, int64_t w) {
-#pragma omp simd
-    for (int64_t i = 0; i < w; i++) acc[i] += hv * row[i];
-}
-
 static ALWAYS_INLINE void axpy_weights(float *acc, float hv, const void *b, int64_t at, int64_t w, const int bf16) {
 #pragma omp simd
     for (int64_t i = 0; i < w; i++) acc[i] += hv * weight_at(b, at + i, bf16);
 }
 
-/* The in-place layout's full blocks of 64 columns: their sums live in four 16-float vector registers over
- * all R ranks (GCC vector types, lowered to whatever the ISA has) and are stored once, where the generic
- * loop below keeps them in a stack array that every rank's multiply-add loads and stores. The same sums in
- * the same order as the generic path, so the same bits. */
 typedef float f32x16 __attribute__((vector_size(64)));
 
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -161,6 +152,10 @@ static ALWAYS_INLINE f32x16 load16_weights(const void *w, int64_t i, const int b
     return v;
 }
 
+/* The in-place layout's full blocks of 64 columns: their sums live in four 16-float vector registers over
+ * all R ranks (GCC vector types, lowered to whatever the ISA has) and are stored once, where the generic
+ * loop below keeps them in a stack array that every rank's multiply-add loads and stores. The same sums in
+ * the same order as the generic path, so the same bits. */
 static ALWAYS_INLINE void expand_register_block(const float *hr, const void *b, int64_t at, int64_t sr, int64_t R,
                                                 float sc, float *yr, const int bf16) {
     f32x16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
@@ -202,7 +197,7 @@ static ALWAYS_INLINE void expand_columns(const Lora *L, const float *hr, const v
                     const int64_t e = (c0 + i) * sn + (r0 + r) * sr;
                     tile[r][i] = weight_at(b, at + e, bf16);
                 }
-            for (int64_t r = 0; r < rc; r++) axpy(acc, hr[r0 + r], tile[r], w);
+            for (int64_t r = 0; r < rc; r++) axpy_weights(acc, hr[r0 + r], tile[r], 0, w, 0);
         }
 #pragma omp simd
         for (int64_t i = 0; i < w; i++) yr[c0 + i] += sc * acc[i];
