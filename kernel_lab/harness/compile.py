@@ -206,18 +206,24 @@ def compile_module(module: str, targets=TARGETS, only: str | None = None, out_di
     """Compile every CompileSpec of `module` (from its function `specs`) for `targets` in a child process
     without the interpreter.
 
-    Returns {(name, target): {"registers", "spill_stores", "spill_loads", "shared_bytes", "ptx", "sass", ...}}.
+    Returns {(name, target): {"registers", "spill_stores", "spill_loads", "shared_bytes", "ptx", "sass", ...}},
+    with "dir" (where the files stay) only when `out_dir` is given; a scratch folder of its own is removed.
     """
     proc = start_compile_child(module, targets, only, out_dir, specs=specs)
-    summary, out_dir = finish_compile_child(proc), proc.out_dir
-    results = {}
-    for entry in summary:
-        stem = out_dir / entry["files"]
-        entry["ptx"] = stem.with_name(stem.name + ".ptx").read_text()
-        entry["sass"] = stem.with_name(stem.name + ".sass").read_text()
-        entry["dir"] = str(out_dir)
-        results[(entry["name"], entry["target"])] = entry
-    return results
+    try:
+        summary = finish_compile_child(proc)
+        results = {}
+        for entry in summary:
+            stem = proc.out_dir / entry["files"]
+            entry["ptx"] = stem.with_name(stem.name + ".ptx").read_text()
+            entry["sass"] = stem.with_name(stem.name + ".sass").read_text()
+            if out_dir is not None:
+                entry["dir"] = str(proc.out_dir)
+            results[(entry["name"], entry["target"])] = entry
+        return results
+    finally:
+        if out_dir is None:  # our own scratch folder: the text is in memory now, and /tmp would keep ~10 MB a call
+            shutil.rmtree(proc.out_dir, ignore_errors=True)
 
 
 def check_no_spills(compiled: dict, max_registers: int = 255,
