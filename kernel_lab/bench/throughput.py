@@ -87,7 +87,8 @@ def _bench_kernel_lab(args, workload) -> dict:
     import torch
 
     result = {"elapsed_time": elapsed, "generated": generated, "device": engine.config.device.type,
-              "dtype": str(engine.config.dtype).replace("torch.", ""), "stats": engine.stats(),
+              "dtype": str(engine.config.dtype).replace("torch.", ""),
+              "kv_cache_dtype": str(engine.config.kv_cache_dtype).replace("torch.", ""), "stats": engine.stats(),
               "threads": torch.get_num_threads(), "decode_step_seconds": decode_step_seconds}
     if engine.config.device.type == "cpu":
         from kernel_lab.ops import cpu_kernels, gguf_linear
@@ -265,7 +266,8 @@ def run_bench_throughput(args) -> int:
         "model": args.model or "SmolLM2-135M-Instruct (bundled)",
         "dataset": args.dataset_name, "num_prompts": len(workload), "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio, "concurrency": args.max_num_seqs,
-        "device": result["device"], "dtype": result["dtype"], "threads": result.get("threads"), "seed": args.seed,
+        "device": result["device"], "dtype": result["dtype"], "kv_cache_dtype": result.get("kv_cache_dtype"),
+        "threads": result.get("threads"), "seed": args.seed,
         "elapsed_time": elapsed, "num_requests": len(workload), "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens, "total_num_tokens": prompt_tokens + output_tokens,
         "requests_per_second": len(workload) / elapsed,

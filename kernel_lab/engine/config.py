@@ -63,7 +63,9 @@ def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) 
     CPU the C kernel reads float32, float16, bfloat16, int8 and fp8 pages under float32 activations; on CUDA
     the kernel reads pages of the activation dtype or fp8 (int8 is refused)."""
     if name == "auto":
-        return dtype
+        # On CPU, float16 pages under float32 activations: the smallest format that meets issue 35's accuracy
+        # bar (greedy agreement with float32 pages, projects/09_engine/README.md), half the bytes per token.
+        return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
     resolved = _KV_DTYPES[name]
     if device.type == "cpu":
         if resolved != dtype and dtype != torch.float32:
@@ -116,7 +118,8 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "sequences running at once")
     max_num_batched_tokens: int | None = _option(None, "tokens per step (default: max(2048, max_num_seqs))")
     block_size: int = _option(16, "tokens per KV-cache block", choices=SUPPORTED_BLOCK_SIZES)
-    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache page dtype (auto: the activation dtype). CPU: "
+    kv_cache_dtype: str | torch.dtype = _option("auto", "KV-cache page dtype (auto: float16 on CPU under float32 "
+                                                        "activations, else the activation dtype). CPU: "
                                                         "float32, float16, bfloat16, int8 or fp8 pages under float32 "
                                                         "activations; CUDA: the activation dtype or fp8",
                                                 choices=("auto", *_KV_DTYPES, *_KV_DTYPES_WITHOUT_KERNEL))

@@ -10,7 +10,7 @@ figure is 1 / the median decode-only step (the prompt's prefill is not timed), a
 batch-1 decode. llama.cpp: `llama-bench -p 0 -n GEN -d D -ctk T -ctv T -t N` (flash attention at its
 default, auto), built from the pinned source by `make llama-cpp-env`; avg_ts is its decode tok/s after the
 depth. The two alternate within a point (ours in every format, then llama.cpp in every cache type). The
-pairs compared are the issue's: float16 pages against f16, int8 against q8_0; float32 (our CPU default)
+pairs compared are the issue's: float16 pages (the CPU default) against f16, int8 against q8_0; float32
 against f16 too. One repetition per configuration: each costs a D-token prefill.
 """
 

@@ -115,9 +115,10 @@ def transformers_greedy(directory, prompts: list[list[int]]):
 
 def engine_greedy(directory, path: str, **options):
     """(prompt ids, greedy tokens, first-token log-probabilities) of PROMPTS; `options` override the engine's
-    settings (CPU, float32)."""
-    settings = dict(dtype="float32", device="cpu", weights="float32", max_model_len=256, max_num_seqs=3,
-                    num_kv_blocks=48, max_num_batched_tokens=24, block_size=16)
+    settings (CPU, float32 activations and KV pages: the decoder against transformers at float32's tolerance;
+    the default float16 pages are measured by kv_page_agreement.py and test_cpu_half_pages.py)."""
+    settings = dict(dtype="float32", device="cpu", weights="float32", kv_cache_dtype="float32", max_model_len=256,
+                    max_num_seqs=3, num_kv_blocks=48, max_num_batched_tokens=24, block_size=16)
     engine = LLMEngine(str(directory), **{**settings, **options})
     if path == "prefill":  # prompt chunks take the SDPA prefill path instead of the fused decode call
         engine.runner.prompt_tokens_decode = False
@@ -184,7 +185,7 @@ def test_family_matches_transformers_on_cuda(family, graphs, checkpoints, tmp_pa
     prefill and prefix-cache hit (engine_greedy), with decode-only steps replaying CUDA graphs or eager."""
     directory = rounded_checkpoint(checkpoints(family), tmp_path / family, torch.float16)
     prompt_ids, ours, our_logprobs = engine_greedy(directory, "prefill", device="cuda", dtype="float16",
-                                                   enforce_eager=not graphs)
+                                                   kv_cache_dtype="auto", enforce_eager=not graphs)
     if family == "mistral_window":
         assert min(map(len, prompt_ids)) > WINDOW, "every prompt must be longer than the window"
     theirs, their_logprobs, margins = transformers_greedy(directory, prompt_ids)

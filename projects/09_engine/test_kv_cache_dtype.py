@@ -19,7 +19,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-@pytest.mark.parametrize("name, dtype", [("auto", torch.float32), ("float32", torch.float32),
+@pytest.mark.parametrize("name, dtype", [("auto", torch.float16), ("float32", torch.float32),
                                          ("float16", torch.float16), ("bfloat16", torch.bfloat16),
                                          ("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
                                          ("fp8_e4m3", torch.float8_e4m3fn)])
@@ -38,6 +38,14 @@ def test_cpu_takes_float32_16_bit_int8_and_fp8_pages(name, dtype):
 def test_formats_without_a_kernel_are_refused_by_name(name, device, activations, pattern):
     with pytest.raises(ValueError, match=pattern):
         resolve_kv_cache_dtype(name, device, activations)
+
+
+def test_cpu_auto_is_float16_pages_under_float32_activations_only():
+    """issue 35: auto on CPU is the smallest page format that meets the greedy-agreement bar (float16) under
+    float32 activations; under 16-bit activations, whose kernel reads their own dtype, it stays that dtype."""
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32) == torch.float16
+    assert resolve_kv_cache_dtype("auto", CPU, torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float16) == torch.float16
 
 
 def test_cuda_takes_its_activation_dtype_and_fp8():
