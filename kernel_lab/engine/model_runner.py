@@ -89,8 +89,8 @@ class ModelRunner:
         self.k_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
         self.kv_scales = None
-        if cache_dtype in SCALED_DTYPES:  # float32 scales per (page, KV head) for fp8, (token, KV head) for int8
-            shape = scale_shape(cache_dtype, self.num_blocks, self.block_size, c.num_kv_heads)
+        if cache_dtype in SCALED_DTYPES:  # float32 scales per (page, KV head) for fp8, (token, head, group) for int8
+            shape = scale_shape(cache_dtype, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
             self.kv_scales = torch.zeros((c.num_layers, 2, *shape), dtype=torch.float32, device=self.device)
         self.layer_caches = [
             LayerKVCache(self.k_cache[i], self.v_cache[i],

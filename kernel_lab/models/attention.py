@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernel_lab import ops
 from kernel_lab.ops import cpu_kernels
-from kernel_lab.ops.kv_cache import dequantize_pages, int8_rows
+from kernel_lab.ops.kv_cache import dequantize_pages, expand_int8_scales, int8_rows
 
 
 @dataclass
@@ -57,7 +57,7 @@ class AttentionMetadata:
 class LayerKVCache:
     k_cache: torch.Tensor                 # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    # fp8: float32 [num_blocks, num_kv_heads] (per page); int8: [num_blocks, block_size, num_kv_heads] (per token)
+    # fp8: float32 [num_blocks, num_kv_heads] (per page); int8: [num_blocks, block_size, num_kv_heads, groups]
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
@@ -66,9 +66,10 @@ class LayerKVCache:
         block_size = self.k_cache.shape[1]
         k = self.k_cache.flatten(0, 1)[slots]
         v = self.v_cache.flatten(0, 1)[slots]
-        if self.k_scale is not None and self.k_cache.dtype == torch.int8:  # a scale per token
-            k = int8_rows(dequantize_pages(k, self.k_scale.flatten(0, 1)[slots][..., None]))
-            v = int8_rows(dequantize_pages(v, self.v_scale.flatten(0, 1)[slots][..., None]))
+        if self.k_scale is not None and self.k_cache.dtype == torch.int8:  # a scale per token and 16 channels
+            head_dim = k.shape[-1]
+            k = int8_rows(dequantize_pages(k, expand_int8_scales(self.k_scale.flatten(0, 1)[slots], head_dim)))
+            v = int8_rows(dequantize_pages(v, expand_int8_scales(self.v_scale.flatten(0, 1)[slots], head_dim)))
         elif self.k_scale is not None:  # fp8: a scale per page
             blocks = slots // block_size
             k = dequantize_pages(k, self.k_scale[blocks][..., None])

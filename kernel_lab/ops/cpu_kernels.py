@@ -16,9 +16,9 @@ default) all this CPU has. An AVX-512 machine can so test and benchmark the path
 run emulates the ISA choice on this machine, not an AVX2 machine's clocks, caches or memory.
 
 Each source is its own library: `paged_decode_attention.c` (float32, float16, bfloat16,
-int8 or fp8 E4M3 KV pages, `KV_FORMATS`, int8 with a scale per token, fp8 per page; also the engine's one-call
-layer attention with RoPE and the KV write; a call's context spans run on gguf_linear's pool), `gguf_linear.c`
-(quantized GGUF weights, the process's one small pthread pool),
+int8 or fp8 E4M3 KV pages, `KV_FORMATS`, int8 with a scale per token and 16 channels, fp8 per page; also the
+engine's one-call layer attention with RoPE and the KV write; a call's context spans run on gguf_linear's
+pool), `gguf_linear.c` (quantized GGUF weights, the process's one small pthread pool),
 `norm_activation.c` (float32 residual-add + RMSNorm, silu_and_mul and gelu_and_mul, the CPU paths of
 projects 01 and 02), `token_bitmask.c` (a grammar's packed token bitmask applied to logits, project
 06), `decode_stack.c` (a decode step's decoder layers in one call) and `lora.c` (multi-LoRA's BGMV delta,
@@ -64,7 +64,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-t
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # The cache dtypes the paged attention kernel reads (q and out are float32), as its kv_format numbers
 # (kv_half.h's enum). int8 and fp8 pages come with float32 scales (kv_int8.h, kv_cache.scale_shape): int8's
-# [num_blocks, block_size, num_kv_heads], one per token; fp8's [num_blocks, num_kv_heads], one per page.
+# [num_blocks, block_size, num_kv_heads, groups], one per token and 16 channels; fp8's [num_blocks,
+# num_kv_heads], one per page.
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 _SCALED_FORMATS = (torch.int8, torch.float8_e4m3fn)
 
@@ -373,10 +374,10 @@ def rope_write_paged_attention_cpu(qkv, cos_rows, sin_rows, slots, k_cache, v_ca
                                    v_scale: torch.Tensor | None = None, threads: int | None = None) -> None:
     """One layer's attention for a CPU step whose every row decodes (kl_rope_write_paged_attention):
     RoPE on q and k, K and V into the cache at `slots` (rounded to nearest even into 16-bit pages; into
-    int8 pages with each row's own scale, or fp8 pages under project 05's page-scale policy, one token after
-    another, each row attending after its own write), attention into `out` [tokens, num_q_heads * head_dim],
-    over each row's last `window` tokens when `window` > 0. `library`: as paged_decode_attention_cpu's;
-    `k_scale`, `v_scale`: int8 and fp8 pages'; `threads`: as paged_decode_attention_cpu's.
+    int8 pages with each row's own scales (one per 16 channels), or fp8 pages under project 05's page-scale
+    policy, one token after another, each row attending after its own write), attention into `out`
+    [tokens, num_q_heads * head_dim], over each row's last `window` tokens when `window` > 0. `library`: as
+    paged_decode_attention_cpu's; `k_scale`, `v_scale`: int8 and fp8 pages'; `threads`: as paged_decode_attention_cpu's.
 
     No checks: the caller holds what `models/attention.py` documents (float32 activations, a KV_FORMATS
     cache, qkv and out dense rows, cos/sin rows contiguous, tables and slots checked once for the step, the

@@ -10,7 +10,8 @@ Contract (shared with the engine)
   `torch.int8` (CPU only: no CUDA kernel reads int8 pages).
 - FP8 and int8 caches (SCALED_DTYPES) carry `k_scale`, `v_scale`, float32 and contiguous (`scale_shape`):
   fp8 `[num_blocks, num_kv_heads]`, one scale per page and KV head (shared with the CUDA kernels); int8
-  `[num_blocks, block_size, num_kv_heads]`, one scale per token and KV head. A stored element means
+  `[num_blocks, block_size, num_kv_heads, ceil(head_dim / 16)]`, one scale per token, KV head and group of
+  INT8_GROUP = 16 channels (the last group shorter when 16 does not divide head_dim). A stored element means
   `float(fp8) * scale`, or for int8 `code * scale` with codes in [-127, 127] and -128 meaning NaN. A fresh
   cache has every scale at 0.0: the page holds no data yet.
 - `write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`: key/value
@@ -18,27 +19,31 @@ Contract (shared with the engine)
   fp16/bf16 CPU pages, rounded to nearest even); `slot_mapping` int64 `[tokens]` = `block * block_size +
   offset`; a slot of -1 is skipped. Two tokens of one call writing the same slot leave either one (unspecified).
 
-int8 write (issue 35; llama.cpp's q8_0 idea): each token's row of each KV head is quantised once, with its own
-scale `s = amax / 127` over the row's finite elements (one float32 division, at least 2**-126; 0 for a row
-without any) and codes `round(x / s)`, nearest even: `|x - code * s| <= s / 2` (up to float32's rounding of
-the division and the product), whatever was written before or after. Nothing is requantised, so one row
-(a later token, a rejected speculative draft) never moves another's codes. Why not per page: on SmolLM2 a
-page's scale follows its largest row, and the first (attention-sink) token, whose V rows are a third of
-their page's, kept a few bits and took most of the attention weight (projects/09_engine/README.md).
-The scales cost 8 bytes per token and KV head against 2 * head_dim code bytes (6.25% at head_dim 64).
+int8 write (issue 35; llama.cpp's q8_0 idea): each token's row of each KV head is quantised once, each group of
+16 channels with its own scale `s = amax / 127` over the group's finite elements (one float32 division, at least
+2**-126; 0 for a group without any) and codes `round(x / s)`, nearest even: `|x - code * s| <= s / 2` (up to
+float32's rounding of the division and the product), whatever was written before or after. Nothing is
+requantised, so one row (a later token, a rejected speculative draft) never moves another's codes. Why not per
+page: on SmolLM2 a page's scale follows its largest row, and the first (attention-sink) token, whose V rows are
+a third of their page's, kept a few bits and took most of the attention weight (projects/09_engine/README.md).
+The scales cost 2 * 4 * ceil(head_dim / 16) bytes per token and KV head against 2 * head_dim code bytes (25%).
 int8 K and V rows are stored rotated: `H k`, `H v`, with H Sylvester's unnormalised Hadamard matrix (entries
 +-1) on blocks of `hadamard_block(head_dim)` channels (the whole row for a power-of-two head_dim), formed in
-float32 before the scale (`hadamard_rotate`). A reader rotates the query the same way and divides by the
-block, since `(H q) . (H k) = block * (q . k)`, and rotates its output back once, since
-`sum p H v = H (sum p v)`; `int8_rows` undoes it for a reader of the rows themselves. Why: K has outlier
-channels (a few channels of RoPE'd keys carry most of a row's magnitude), so a row's scale follows them and
-the other channels keep a few levels; H spreads every channel over all of them (QuaRot's observation), and
-the bound `|H k - code * s| <= s / 2` per element becomes the same bound on k's elements after the inverse,
-with a scale that no longer follows one channel. On the bundled model it is what raises int8's greedy
-agreement with float32 pages (projects/09_engine/README.md). V's rows have milder outliers, and rotating them
-too raised the agreement again (same page). A non-finite element of a row spreads over its block (NaN where
-+inf meets -inf), where unrotated it stayed in its channel: the row's scores, or the output, were NaN or inf
-either way.
+float32 before the scale (`hadamard_rotate`). A reader rotates the query the same way and divides by the block,
+since `(H q) . (H k) = block * (q . k)`, and rotates its output back once, since `sum p H v = H (sum p v)`;
+`int8_rows` undoes it for a reader of the rows themselves. Why: K has outlier channels (a few channels of RoPE'd
+keys carry most of a row's magnitude), so a row's scale follows them and the other channels keep a few levels; H
+spreads every channel over all of them (QuaRot's observation), and the bound `|H k - code * s| <= s / 2` per
+element becomes, after the inverse, a bound on k's elements of half the mean scale of their Hadamard block's
+groups, with scales that no longer follow one channel. Why a scale per 16 channels and not per row: after the
+rotation a row's magnitude still varies along it, and a one-off fake-quant study on the bundled model (Zen 4, 2
+threads, not a record; float32 pages with K/V rounded through each candidate, greedy agreement over
+kv_page_agreement.py's 16 prompts) gave a scale per row 10/16, per 32 channels 11/16, per 16 channels on K only
+15/16, per 16 channels on K and V 16/16 (K grouped without the rotation: 9/16). The rotation is what first
+raised int8's greedy agreement with float32 pages (projects/09_engine/README.md). V's rows have milder outliers,
+and rotating them too raised the agreement again (same page). A non-finite element of a row spreads over its
+block (NaN where +inf meets -inf), where unrotated it stayed in its channel: the row's scores, or the output,
+were NaN or inf either way.
 
 fp8 write policy (project 05's, as the CUDA kernels write it): every page scale `write_kv` writes is the
 smallest power of two >= amax / 448 (at least 2**-126) over everything the page and head has received; a page
@@ -63,6 +68,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .common import FLOAT_DTYPES, check_same_device, check_tensor
 
@@ -80,15 +86,33 @@ SCALED_DTYPES = (FP8_DTYPE, torch.int8)
 CODE_MAX = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
 
 
-def scale_shape(dtype: torch.dtype, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
-    """The shape of a scaled cache's `k_scale`/`v_scale`: fp8 one per (page, KV head), int8 one per (token, KV head)."""
-    return (num_blocks, block_size, num_kv_heads) if dtype == torch.int8 else (num_blocks, num_kv_heads)
+# Channels per int8 scale: a row of head_dim channels has int8_groups(head_dim) scales (the last group shorter
+# when 16 does not divide head_dim). The group, not the row, is what the greedy-agreement study settled on.
+INT8_GROUP = 16
 
 
-def element_scales(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def int8_groups(head_dim: int) -> int:
+    return -(-head_dim // INT8_GROUP)
+
+
+def scale_shape(dtype: torch.dtype, num_blocks: int, block_size: int, num_kv_heads: int,
+                head_dim: int) -> tuple[int, ...]:
+    """The shape of a scaled cache's `k_scale`/`v_scale`: fp8 one per (page, KV head), int8 one per (token, KV
+    head, group of INT8_GROUP channels)."""
+    if dtype == torch.int8:
+        return (num_blocks, block_size, num_kv_heads, int8_groups(head_dim))
+    return (num_blocks, num_kv_heads)
+
+
+def expand_int8_scales(scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 scales `[..., groups]` as one per channel `[..., head_dim]`."""
+    return scale.repeat_interleave(INT8_GROUP, dim=-1)[..., :head_dim]
+
+
+def element_scales(scale: torch.Tensor, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
     """`scale` viewed to broadcast against pages `[blocks, block_size, num_kv_heads, head_dim]` (or the same
     blocks of them: `scale[blocks]`)."""
-    return scale[..., None] if dtype == torch.int8 else scale[:, None, :, None]
+    return expand_int8_scales(scale, head_dim) if dtype == torch.int8 else scale[:, None, :, None]
 
 
 # --------------------------------------------------------------------------------------------- allocation
@@ -108,7 +132,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     v_cache = torch.zeros(shape, dtype=dtype, device=device)
     if dtype not in SCALED_DTYPES:
         return k_cache, v_cache, None, None
-    k_scale = torch.zeros(scale_shape(dtype, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
+    k_scale = torch.zeros(scale_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.float32,
+                          device=device)
     v_scale = torch.zeros_like(k_scale)
     return k_cache, v_cache, k_scale, v_scale
 
@@ -118,7 +143,7 @@ def kv_cache_bytes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     data = 2 * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
     if dtype not in SCALED_DTYPES:
         return data
-    return data + 2 * 4 * math.prod(scale_shape(dtype, num_blocks, block_size, num_kv_heads))
+    return data + 2 * 4 * math.prod(scale_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim))
 
 
 def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -275,12 +300,13 @@ def check_cache_pair(k_cache, v_cache, k_scale=None, v_scale=None) -> tuple[int,
         if s is None:
             per_token = k_cache.dtype == torch.int8
             raise ValueError(f"{name} is required with a {k_cache.dtype} cache (float32 [num_blocks, "
-                             f"{'block_size, ' if per_token else ''}num_kv_heads])")
-        shape = scale_shape(k_cache.dtype, num_blocks, block_size, heads)
+                             f"{'block_size, num_kv_heads, groups' if per_token else 'num_kv_heads'}])")
+        shape = scale_shape(k_cache.dtype, num_blocks, block_size, heads, head_dim)
         check_tensor(name, s, dtypes=(torch.float32,), ndim=len(shape))
         if tuple(s.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (one scale per "
-                             f"{'token' if k_cache.dtype == torch.int8 else 'page'} and KV head), got {tuple(s.shape)}")
+            what = (f"token, KV head and {INT8_GROUP} channels" if k_cache.dtype == torch.int8
+                    else "page and KV head")
+            raise ValueError(f"{name} must have shape {shape} (one scale per {what}), got {tuple(s.shape)}")
         if not s.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {s.stride()}")
     return num_blocks, block_size, heads, head_dim
@@ -323,9 +349,11 @@ def _write_scaled_reference(x: torch.Tensor, cache: torch.Tensor, scale: torch.T
     scale, rows rotated (module docstring); tokens already filtered to valid."""
     if cache.dtype == torch.int8:
         x = hadamard_rotate(x)
-        row_scale = int8_token_scale(finite_amax(x))                            # [tokens, heads]
-        scale[blocks, offsets] = row_scale
-        cache[blocks, offsets] = quantize_int8(x, row_scale[:, :, None])
+        head_dim, groups = x.shape[-1], scale.shape[-1]
+        padded = F.pad(x, (0, groups * INT8_GROUP - head_dim))                  # zeros never raise an amax
+        group_scale = int8_token_scale(finite_amax(padded.unflatten(-1, (groups, INT8_GROUP))))  # [tokens, heads, G]
+        scale[blocks, offsets] = group_scale
+        cache[blocks, offsets] = quantize_int8(x, expand_int8_scales(group_scale, head_dim))
         return
     heads = cache.shape[2]
     token_scale = pow2_scale(finite_amax(x), CODE_MAX[cache.dtype])             # [tokens, heads]

@@ -10,8 +10,9 @@ Contract
 - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]` (see `kv_cache.py`), the same
   dtype as q, float16 or bfloat16 pages under a float32 q on CPU, or `torch.float8_e4m3fn` (or, on CPU
   only, `torch.int8`) with float32 `k_scale`/`v_scale`: fp8's `[num_blocks, num_kv_heads]` (one per page),
-  int8's `[num_blocks, block_size, num_kv_heads]` (one per token; kv_cache.scale_shape). Stored value =
-  `float(fp8) * scale`, or `code * scale` for int8, the code -128 meaning NaN (kv_cache.py).
+  int8's `[num_blocks, block_size, num_kv_heads, groups]` (one per token and 16 channels;
+  kv_cache.scale_shape). Stored value = `float(fp8) * scale`, or `code * scale` for int8, the code -128
+  meaning NaN (kv_cache.py).
 - `block_tables`: int32 `[batch, max_blocks_per_seq]`; token t of sequence b is at block
   `block_tables[b, t // block_size]`, offset `t % block_size`. Blocks may be anywhere, in any order, and
   shared. Entries past a sequence's last block are never read (padding such as -1 is fine).
@@ -102,8 +103,8 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     k = k_cache.index_select(0, pages)                                            # [B * P, bs, Hkv, D], a copy
     v = v_cache.index_select(0, pages)
     if k_cache.dtype in SCALED_DTYPES:
-        k = page_codes(k).mul_(element_scales(k_scale[pages], k_cache.dtype))
-        v = page_codes(v).mul_(element_scales(v_scale[pages], k_cache.dtype))
+        k = page_codes(k).mul_(element_scales(k_scale[pages], k_cache.dtype, head_dim))
+        v = page_codes(v).mul_(element_scales(v_scale[pages], k_cache.dtype, head_dim))
     k, v = k.float(), v.float()
     positions = torch.arange(tokens, device=q.device)[None, :]
     valid = (positions < lens[:, None]) & (positions >= first[:, None])                        # [B, T]

@@ -8,8 +8,8 @@ One layer of the 1.2B Llama shape the engine's long-context records use (32 quer
 head_dim 64, 16-token pages, pages shuffled in the pool), one query token, float32 q and out. Per point,
 alternating the two calls: `kl_paged_decode_attention` with `threads` of the pool's threads, and with one
 (the kernel before the splits, a context within one span computes the same way). bytes_moved is what the
-call must read: every K and V element of the context in its page format, int8's scale per token and head
-and fp8's per page, q and the output row; % is of `measure_read_bandwidth(threads)` measured in the same
+call must read: every K and V element of the context in its page format, int8's scales per token, head and 16
+channels and fp8's per page, q and the output row; % is of `measure_read_bandwidth(threads)` measured in the same
 run (a sum over 512 MiB with that many threads). A layer's KV at 32K context in float32 is 128 MiB, past any
 cache; at 1K (4 MiB) it may sit in L2/L3, where more than 100% of the read ceiling is possible.
 Our own harness: llama.cpp has no tool that times its attention alone.
@@ -29,7 +29,7 @@ from kernel_lab.harness.bench import benchmark  # noqa: E402
 from kernel_lab.harness.results import ResultRecord, device_label  # noqa: E402
 from kernel_lab.harness.roofline import achieved_gbps, measure_read_bandwidth, percent_of  # noqa: E402
 from kernel_lab.ops import allocate_kv_cache, cpu_kernels  # noqa: E402
-from kernel_lab.ops.kv_cache import FP8_DTYPE, write_kv_reference  # noqa: E402
+from kernel_lab.ops.kv_cache import FP8_DTYPE, int8_groups, write_kv_reference  # noqa: E402
 
 FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
            "fp8": FP8_DTYPE}
@@ -40,7 +40,7 @@ def bytes_moved(context: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     kv = 2 * context * NUM_KV_HEADS * HEAD_DIM * element
     pages = -(-context // BLOCK_SIZE)
-    scales = (2 * context * NUM_KV_HEADS * 4 if dtype == torch.int8 else
+    scales = (2 * context * NUM_KV_HEADS * int8_groups(HEAD_DIM) * 4 if dtype == torch.int8 else
               2 * pages * NUM_KV_HEADS * 4 if dtype == FP8_DTYPE else 0)
     return kv + scales + 2 * NUM_Q_HEADS * HEAD_DIM * 4 + pages * 4
 

@@ -1,17 +1,19 @@
-"""int8 pages (one float32 scale per token and KV head) and fp8 E4M3 pages (one float32 scale per page and KV
-head, project 05's policy) in the CPU C kernels, in every ISA path this CPU can run (the native build,
+"""int8 pages (one float32 scale per token, KV head and 16 channels) and fp8 E4M3 pages (one float32 scale per
+page and KV head, project 05's policy) in the CPU C kernels, in every ISA path this CPU can run (the native build,
 `-mno-avx512f` and `-mno-avx`, each checked to report its path). Every test of the read, the contract, batch
 invariance and the fused call runs on both formats.
 
 int8, as kernel_lab/ops/kv_cache.py states it (issue 35): each token's row of each KV head is written once,
-with its own scale s = amax / 127 over the row's finite elements, and never requantised, so every stored
+each group of 16 channels with its own scale s = amax / 127 over the group's finite elements, and never
+requantised, so every stored
 element satisfies |x - code * s| <= s / 2, up to float32's rounding of x / s and code * s (together under
 s * 2^-16: `element_bound`), whatever was written before or after.
 For attention that means (exact arithmetic after the rounding, e the realised K/V errors): a score moves by
 at most D_t = scale * sum_d |q_d| |e^k_td|, each softmax weight by a factor within exp(+-2 max_t D_t), so
 |o~_d - o_d| <= (exp(2D) - 1) sum_t p_t (|v_td| + |e^v_td|) + sum_t p_t |e^v_td| (`output_error_bound`).
-With an outlier channel a row's scale follows the outlier, so the row's other channels lose precision: the
-per-element bound is in units of the row's scale, not of the element.
+With an outlier channel a group's scale follows the outlier, so the group's other channels lose precision:
+the per-element bound is in units of the group's scale, not of the element (after the rotation is undone, of
+the mean scale of the element's Hadamard block: `slot_scales`).
 
 fp8 (E4M3, code max 448, a power-of-two scale per page that grows with requantisation): the first rounding
 errs by at most 2^-4 |x| (3 mantissa bits) or, below 2^-6 in code units, half the 2^-9 step; a requantisation
@@ -47,6 +49,7 @@ from kernel_lab.ops.kv_cache import (
     INT8_NAN,
     dequantize_pages,
     element_scales,
+    expand_int8_scales,
     hadamard_block,
     hadamard_rotate,
     int8_rows,
@@ -144,7 +147,7 @@ def scaled_pages(lib, k, v, slots, num_blocks, block_size, dtype=torch.int8):
 
 
 def values(cache, scale):
-    return dequantize_pages(cache, element_scales(scale, cache.dtype))
+    return dequantize_pages(cache, element_scales(scale, cache.dtype, cache.shape[-1]))
 
 
 def page_rows(cache, scale):
@@ -153,9 +156,18 @@ def page_rows(cache, scale):
     return int8_rows(stored) if cache.dtype == torch.int8 else stored
 
 
-def slot_scales(scale, slots, dtype, block_size):
-    """The scale of each written slot's rows, [slots, num_kv_heads]: its own (int8) or its page's (fp8)."""
-    return scale.flatten(0, 1)[slots] if dtype == torch.int8 else scale[slots // block_size]
+def slot_scales(scale, slots, dtype, block_size, head_dim, *, rotated=False):
+    """The scale of each element of the written slots' rows, [slots, num_kv_heads, head_dim]: its group's own
+    (int8) or its page's (fp8). `rotated`: int8 elements after the rotation is undone, where each is a 1 / block
+    combination of its Hadamard block's stored elements, so it errs by at most the block's mean scale / 2."""
+    if dtype != torch.int8:
+        return scale[slots // block_size][..., None].expand(-1, -1, head_dim)
+    per_element = expand_int8_scales(scale.flatten(0, 1)[slots], head_dim)
+    if not rotated:
+        return per_element
+    block = hadamard_block(head_dim)
+    blocks = per_element.unflatten(-1, (head_dim // block, block))
+    return blocks.mean(-1, keepdim=True).expand(blocks.shape).flatten(-2)
 
 
 def sylvester(n):
@@ -209,7 +221,7 @@ def test_int8_write_is_the_reference_per_token_and_meets_the_element_bound(build
     valid = slots >= 0
     for which, written, cache, scale in ((0, hadamard_rotate(k), kc, ks), (1, hadamard_rotate(v), vc, vs)):  # rotated
         stored = values(cache, scale).view(-1, hkv, d)[slots[valid]]
-        x, s = written[valid], slot_scales(scale, slots[valid], torch.int8, block_size)[:, :, None].expand(-1, -1, d)
+        x, s = written[valid], slot_scales(scale, slots[valid], torch.int8, block_size, d)
         finite = x.isfinite()
         error = (stored - x).abs()
         assert bool((error[finite] <= element_bound(torch.int8, x, s)[finite]).all()), (
@@ -385,7 +397,8 @@ def test_scaled_pages_stay_within_the_bound_their_errors_imply(build, page_dtype
     for x, cache, s in ((kf, kc, ks), (vf, vc, vs)):
         e = page_rows(cache, s) - x
         e = e.abs().flatten(0, 1)[slots]
-        limit = element_bound(page_dtype, x.flatten(0, 1)[slots], slot_scales(s, slots, page_dtype, block_size)[..., None],
+        limit = element_bound(page_dtype, x.flatten(0, 1)[slots],
+                              slot_scales(s, slots, page_dtype, block_size, x.shape[-1], rotated=True),
                               rotated=page_dtype == torch.int8)
         assert bool((e <= limit).all()), isa
 

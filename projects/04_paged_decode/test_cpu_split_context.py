@@ -42,9 +42,9 @@ def paged_case(seed, lengths, dtype, num_q_heads, num_kv_heads, head_dim, block_
     kc.view(torch.uint8).copy_(torch.randint(0, 256, kc.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
     if dtype in (torch.int8, FP8_DTYPE):
         write_kv_reference(k, v, kc, vc, slots, ks, vs)
-        kd = dequantize_pages(kc, element_scales(ks, dtype)).double()
+        kd = dequantize_pages(kc, element_scales(ks, dtype, head_dim)).double()
         kd = int8_rows(kd).double() if dtype == torch.int8 else kd
-        vd = dequantize_pages(vc, element_scales(vs, dtype)).double()
+        vd = dequantize_pages(vc, element_scales(vs, dtype, head_dim)).double()
         vd = int8_rows(vd).double() if dtype == torch.int8 else vd
     else:
         kc.view(-1, num_kv_heads, head_dim)[slots] = k.to(dtype)

@@ -176,7 +176,7 @@ def _scaled_pages(kc, vc, lengths, tables, block_size, dtype=torch.int8):
 
 def _dequantized_pages(k8, v8, ks, vs, page_dtype):
     """Float64 K and V from scaled pages, int8 rows rotated back (they hold H k, H v: kv_cache's docstring)."""
-    kd, vd = (dequantize_pages(c, element_scales(s, page_dtype)).double() for c, s in ((k8, ks), (v8, vs)))
+    kd, vd = (dequantize_pages(c, element_scales(s, page_dtype, c.shape[-1])).double() for c, s in ((k8, ks), (v8, vs)))
     if page_dtype == torch.int8:
         kd, vd = int8_rows(kd).double(), int8_rows(vd).double()
     return kd, vd

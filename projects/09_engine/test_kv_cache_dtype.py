@@ -65,8 +65,8 @@ def test_narrow_pages_hold_two_and_about_four_times_the_tokens_in_the_same_memor
     the tokens) in float16 or bfloat16 pages, and four times in one-byte pages less their scales, counted
     in the budget: fp8 a float32 K and V scale per page and KV head (8 bytes against 2 * block_size *
     head_dim code bytes: 1.6% at this head_dim 16, 0.4% at the bundled model's 64), int8 a float32 K and V
-    scale per token and KV head (8 bytes against 2 * head_dim: 25% here, 6.25% at head_dim 64, where int8
-    holds 512 / 136 = 3.76x the tokens of float32 pages)."""
+    scale per token, KV head and 16 channels (8 bytes per group against 2 * 16 code bytes: 25% at any
+    head_dim that 16 divides, where int8 holds 4 / 1.25 = 3.2x the tokens of float32 pages)."""
     monkeypatch.setenv("KERNEL_LAB_CPU_KV_CACHE_GB", str(1 / 64))
     blocks = {}
     for name in ("float32", "float16", "bfloat16", "int8", "fp8"):
@@ -78,7 +78,7 @@ def test_narrow_pages_hold_two_and_about_four_times_the_tokens_in_the_same_memor
     # per block: 2 layers x 2 KV heads x (K and V codes, 16 tokens x 16 bytes each, + 2 float32 scales)
     assert blocks["fp8"] == (1 << 30) // 64 // (2 * 2 * (2 * 16 * 16 + 2 * 4)), blocks
     assert 3.9 * blocks["float32"] < blocks["fp8"] < 4 * blocks["float32"], blocks
-    # int8: the same codes and 2 float32 scales per token (16 tokens) instead of per page
+    # int8: the same codes and 2 float32 scales per token (16 tokens; head_dim 16 is one group) instead of per page
     assert blocks["int8"] == (1 << 30) // 64 // (2 * 2 * (2 * 16 * 16 + 2 * 16 * 4)), blocks
     assert 3.15 * blocks["float32"] < blocks["int8"] <= 3.2 * blocks["float32"], blocks  # 2 * 16 * 4 / (2 * 16 + 8)
 

@@ -153,6 +153,7 @@ static inline kv_vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vec_store(float *p, kv_vec v) { _mm512_storeu_ps(p, v); }
 static inline kv_vec vec_set1(float x) { return _mm512_set1_ps(x); }
 static inline kv_vec vec_fmadd(kv_vec a, kv_vec b, kv_vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline kv_vec vec_mul(kv_vec a, kv_vec b) { return _mm512_mul_ps(a, b); }
 static inline float vec_sum(kv_vec v) { return _mm512_reduce_add_ps(v); }
 static inline kv_vec vec_load_kv(int format, const void *row, int d) {
     if (format == KV_I8) {
@@ -182,6 +183,7 @@ static inline kv_vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vec_store(float *p, kv_vec v) { _mm256_storeu_ps(p, v); }
 static inline kv_vec vec_set1(float x) { return _mm256_set1_ps(x); }
 static inline kv_vec vec_fmadd(kv_vec a, kv_vec b, kv_vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline kv_vec vec_mul(kv_vec a, kv_vec b) { return _mm256_mul_ps(a, b); }
 static inline float vec_sum(kv_vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -1,9 +1,10 @@
 /* int8 and fp8 E4M3 KV pages for paged_decode_attention.c.
  *
- * int8 pages (issue 35): one float32 scale per token and KV head (`[num_blocks, block_size, num_kv_heads]`
- * beside the cache), as llama.cpp's q8_0 keeps one per 32 weights. A token's row of one KV head is written
- * once, with its own scale s = amax / 127 over the row's finite elements (one IEEE division; at least
- * 2^-126; 0 for a row with none) and codes round(x / s) to nearest even, clamped to [-127, 127]; the code
+ * int8 pages (issue 35): one float32 scale per token, KV head and group of KV_I8_GROUP channels
+ * (`[num_blocks, block_size, num_kv_heads, groups]` beside the cache), as llama.cpp's q8_0 keeps one per 32
+ * weights. A token's row of one KV head is written once, each group with its own scale s = amax / 127 over the
+ * group's finite elements (one IEEE division; at least 2^-126; 0 for a group with none) and codes round(x / s)
+ * to nearest even, clamped to [-127, 127]; the code
  * -128 (outside the symmetric range) means NaN, +-inf saturates to +-127. An element means code * s, so
  * |x - code * s| <= s / 2 (plus float32's rounding of the division and the product). Nothing is ever
  * requantised: a later token (or a rejected draft's) cannot move another token's codes, and a token that
@@ -30,6 +31,10 @@
 #include "kv_half.h"
 
 #define KV_I8_MAX 127.0f
+/* Channels per int8 scale (kv_cache.INT8_GROUP); a multiple of every ISA's float lanes (16, 8). */
+#define KV_I8_GROUP 16
+
+static inline int int8_groups(int head_dim) { return (head_dim + KV_I8_GROUP - 1) / KV_I8_GROUP; }
 #define KV_F8_MAX 448.0f
 
 /* The smallest power of two >= amax / code_max, at least 2^-126; 0 for amax 0 (kv_cache.pow2_scale). */
@@ -97,16 +102,91 @@ static inline void hadamard_rotate(float *x, int n) {
                 }
 }
 
-/* One token's row of one KV head (K or V) into int8 pages with its own scale (`*scale`, the token and
- * head's): `rotated`, head_dim floats of scratch, is where H x is formed and quantised. */
-static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scale,
+/* One token's row of one KV head (K or V) into int8 pages with its own scales (`scales`, the token and head's
+ * int8_groups(head_dim)): `rotated`, head_dim floats of scratch, is where H x is formed and quantised. */
+static inline void write_int8_row(const float *restrict x, int head_dim, int8_t *restrict dst, float *scales,
                                   float *restrict rotated) {
     memcpy(rotated, x, (size_t)head_dim * sizeof(float));
     hadamard_rotate(rotated, head_dim);
     x = rotated;
-    const float s = int8_token_scale(finite_amax(x, head_dim));
-    *scale = s;
-    for (int d = 0; d < head_dim; ++d) dst[d] = int8_code(x[d], s);
+    for (int lo = 0, g = 0; lo < head_dim; lo += KV_I8_GROUP, ++g) {
+        const int n = head_dim - lo < KV_I8_GROUP ? head_dim - lo : KV_I8_GROUP;
+        const float s = int8_token_scale(finite_amax(x + lo, n));
+        scales[g] = s;
+        for (int d = lo; d < lo + n; ++d) dst[d] = int8_code(x[d], s);
+    }
+}
+
+/* Scores of four int8 K rows (codes `k[i]`, scales `ks[i]`, one per group) against one float32 query row:
+ * each group's codes widen and take their scale in registers, so the score needs no scale afterwards. */
+static inline void dot_tokens_int8(const float *restrict qh, const void *const k[4], const float *const ks[4],
+                                   int head_dim, float *restrict s) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int d = 0;
+#ifdef KV_LANES
+    kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
+    for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+        const kv_vec q = vec_load(qh + d);
+        const int g = d / KV_I8_GROUP;
+        a0 = vec_fmadd(vec_mul(q, vec_set1(ks[0][g])), vec_load_kv(KV_I8, k[0], d), a0);
+        a1 = vec_fmadd(vec_mul(q, vec_set1(ks[1][g])), vec_load_kv(KV_I8, k[1], d), a1);
+        a2 = vec_fmadd(vec_mul(q, vec_set1(ks[2][g])), vec_load_kv(KV_I8, k[2], d), a2);
+        a3 = vec_fmadd(vec_mul(q, vec_set1(ks[3][g])), vec_load_kv(KV_I8, k[3], d), a3);
+    }
+    s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
+#endif
+    for (; d < head_dim; ++d) {
+        const float qd = qh[d];
+        const int g = d / KV_I8_GROUP;
+        s0 = kv_fma(qd * ks[0][g], kv_to_float(KV_I8, k[0], d), s0);
+        s1 = kv_fma(qd * ks[1][g], kv_to_float(KV_I8, k[1], d), s1);
+        s2 = kv_fma(qd * ks[2][g], kv_to_float(KV_I8, k[2], d), s2);
+        s3 = kv_fma(qd * ks[3][g], kv_to_float(KV_I8, k[3], d), s3);
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+static inline float dot_int8(const float *restrict qh, const void *restrict k, const float *restrict ks,
+                             int head_dim) {
+    float s = 0.0f;
+    int d = 0;
+#ifdef KV_LANES
+    kv_vec a = vec_zero();
+    for (; d + KV_LANES <= head_dim; d += KV_LANES)
+        a = vec_fmadd(vec_mul(vec_load(qh + d), vec_set1(ks[d / KV_I8_GROUP])), vec_load_kv(KV_I8, k, d), a);
+    s = vec_sum(a);
+#endif
+    for (; d < head_dim; ++d) s = kv_fma(qh[d] * ks[d / KV_I8_GROUP], kv_to_float(KV_I8, k, d), s);
+    return s;
+}
+
+/* acc += sum_i p[i] * v[i] over `count` (1 or 4) int8 V rows, each group's codes weighted by p[i] times the
+ * group's scale (`vs[i]`). */
+static inline void accumulate_int8(float *restrict acc, const float *p, const void *const *v,
+                                   const float *const *vs, int count, int head_dim) {
+    int d = 0;
+#ifdef KV_LANES
+    if (count == 4) {
+        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+            const int g = d / KV_I8_GROUP;
+            kv_vec a = vec_load(acc + d);
+            a = vec_fmadd(vec_set1(p[0] * vs[0][g]), vec_load_kv(KV_I8, v[0], d), a);
+            a = vec_fmadd(vec_set1(p[1] * vs[1][g]), vec_load_kv(KV_I8, v[1], d), a);
+            a = vec_fmadd(vec_set1(p[2] * vs[2][g]), vec_load_kv(KV_I8, v[2], d), a);
+            a = vec_fmadd(vec_set1(p[3] * vs[3][g]), vec_load_kv(KV_I8, v[3], d), a);
+            vec_store(acc + d, a);
+        }
+    } else {
+        for (; d + KV_LANES <= head_dim; d += KV_LANES)
+            vec_store(acc + d, vec_fmadd(vec_set1(p[0] * vs[0][d / KV_I8_GROUP]), vec_load_kv(KV_I8, v[0], d),
+                                         vec_load(acc + d)));
+    }
+#endif
+    for (; d < head_dim; ++d) {
+        float a = acc[d];
+        for (int i = 0; i < count; ++i) a = kv_fma(p[i] * vs[i][d / KV_I8_GROUP], kv_to_float(KV_I8, v[i], d), a);
+        acc[d] = a;
+    }
 }
 
 /* One token's row of one KV head into its fp8 page: `page` is the page's row 0 for this head, rows

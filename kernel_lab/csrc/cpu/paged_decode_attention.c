@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: float32 queries and outputs, one query token per sequence, over a
  * block-table KV cache of float32, float16, bfloat16, int8 or fp8 E4M3 pages (`kv_format`, kv_half.h: narrow
- * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token and KV head
- * and hold K and V rows Hadamard-rotated, fp8 pages one scale per page and KV head, kv_int8.h).
+ * rows widen in registers, every sum is float32; int8 pages carry one float32 scale per token, KV head and 16
+ * channels and hold K and V rows Hadamard-rotated, fp8 pages one scale per page and KV head, kv_int8.h).
  *
  * Same contract as kernel_lab/ops/paged_attention.py (see its module docstring). Plain C with no torch
  * headers, so it compiles in a second or two; kernel_lab/ops/cpu_kernels.py builds it and calls it through
@@ -151,10 +151,12 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
     const int batch = A->batch, num_q_heads = A->num_q_heads, num_kv_heads = A->num_kv_heads;
     const int block_size = A->block_size, window = A->window, b = span->b;
     const int group = num_q_heads / num_kv_heads;
-    /* Scale strides in floats: int8 [num_blocks, block_size, num_kv_heads] (a token's own), fp8
-     * [num_blocks, num_kv_heads] (every token of a page and head shares one: a token stride of 0). */
-    const int64_t scale_token = format == KV_I8 ? num_kv_heads : 0;
-    const int64_t scale_block = format == KV_I8 ? (int64_t)block_size * num_kv_heads : num_kv_heads;
+    /* Scale strides in floats: int8 [num_blocks, block_size, num_kv_heads, groups] (a token's own, one per
+     * KV_I8_GROUP channels), fp8 [num_blocks, num_kv_heads] (every token of a page and head shares one: a token
+     * stride of 0). */
+    const int64_t scale_head = format == KV_I8 ? int8_groups(head_dim) : 1;
+    const int64_t scale_token = format == KV_I8 ? num_kv_heads * scale_head : 0;
+    const int64_t scale_block = format == KV_I8 ? (int64_t)block_size * scale_token : num_kv_heads;
     const int64_t row = ((int64_t)head_dim + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int64_t score_row = ((int64_t)block_size + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     float *qs = scratch;
@@ -193,8 +195,8 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
         const int64_t skip = (int64_t)(lo - page_idx * block_size) * cache_stride_token;
         const char *k_page = (const char *)k_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
         const char *v_page = (const char *)v_cache + (int64_t)table[page_idx] * cache_stride_block + skip;
-        /* int8, fp8: the scales of this page's token lo on, token t's for KV head h at t * scale_token + h
-         * (unused, and never read, for the other formats). */
+        /* int8, fp8: the scales of this page's token lo on, token t's for KV head h at t * scale_token + h *
+         * scale_head (unused, and never read, for the other formats). */
         const int64_t scale_at = (int64_t)table[page_idx] * scale_block + (lo - page_idx * block_size) * scale_token;
         const float *k_page_scale = kv_scaled(format) ? k_scale + scale_at : NULL;
         const float *v_page_scale = kv_scaled(format) ? v_scale + scale_at : NULL;
@@ -231,11 +233,15 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     float *s = scores + h * score_row + t;
                     if (format == KV_F32) {
                         dot_tokens(qs + h * row, k, head_dim, s);
+                    } else if (format == KV_I8) {
+                        const float *ks[TOKENS];
+                        for (int i = 0; i < TOKENS; ++i) ks[i] = k_page_scale + (t + i) * scale_token + kvh * scale_head;
+                        dot_tokens_int8(qs + h * row, k16, ks, head_dim, s);
                     } else {
                         dot_tokens_half(format, qs + h * row, k16, head_dim, s);
-                        /* Each token's K scale on its score (fp8: the page's power of two, so the same bits as
-                         * the dot product of the scaled codes). */
-                        if (kv_scaled(format))
+                        /* fp8: the page's K scale on each score (a power of two, so the same bits as the dot
+                         * product of the scaled codes). */
+                        if (format == KV_F8)
                             for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[(t + i) * scale_token + kvh];
                     }
                 }
@@ -247,9 +253,11 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                 const char *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
                 for (int h = kvh * group; h < (kvh + 1) * group; ++h)
                     scores[h * score_row + t] =
-                        format == KV_F32   ? dot(qs + h * row, (const float *)k, head_dim)
-                        : kv_scaled(format) ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[t * scale_token + kvh]
-                                           : dot_half(format, qs + h * row, k, head_dim);
+                        format == KV_F32  ? dot(qs + h * row, (const float *)k, head_dim)
+                        : format == KV_I8 ? dot_int8(qs + h * row, k, k_page_scale + t * scale_token + kvh * scale_head,
+                                                     head_dim)
+                        : format == KV_F8 ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
+                                          : dot_half(format, qs + h * row, k, head_dim);
             }
         }
 
@@ -298,10 +306,15 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
                     const float *p = scores + h * score_row + t;
                     float *restrict a = acc + h * row;
-                    if (kv_scaled(format)) { /* each token's V scale goes on its probability */
-                        const float *vs = v_page_scale + t * scale_token + kvh;
-                        const float pv[TOKENS] = {p[0] * vs[0], p[1] * vs[scale_token], p[2] * vs[2 * scale_token],
-                                                  p[3] * vs[3 * scale_token]};
+                    if (format == KV_I8) { /* each group's V scale goes on the token's probability */
+                        const float *vs[TOKENS];
+                        for (int i = 0; i < TOKENS; ++i) vs[i] = v_page_scale + (t + i) * scale_token + kvh * scale_head;
+                        accumulate_int8(a, p, v16, vs, TOKENS, head_dim);
+                        continue;
+                    }
+                    if (format == KV_F8) { /* the page's V scale goes on each probability */
+                        const float vs = v_page_scale[kvh];
+                        const float pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs, p[3] * vs};
                         accumulate_half(format, a, pv, v16, TOKENS, head_dim);
                         continue;
                     }
@@ -327,8 +340,13 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                 for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                     const float *p = scores + h * score_row + t;
                     float *restrict a = acc + h * row;
+                    if (format == KV_I8) {
+                        const float *vs[1] = {v_page_scale + t * scale_token + kvh * scale_head};
+                        accumulate_int8(a, p, v16, vs, 1, head_dim);
+                        continue;
+                    }
                     if (format != KV_F32) {
-                        const float pv = kv_scaled(format) ? p[0] * v_page_scale[t * scale_token + kvh] : p[0];
+                        const float pv = format == KV_F8 ? p[0] * v_page_scale[kvh] : p[0];
                         accumulate_half(format, a, &pv, v16, 1, head_dim);
                         continue;
                     }
@@ -446,7 +464,7 @@ static void merge_spans(const Attention *A, const Span *spans, int count) {
 /* Strides are in elements (of the cache's format for the caches); the last dimension of q, the caches and
  * out is contiguous, and K and V share their strides. `kv_format`: KV_F32, KV_F16, KV_BF16, KV_I8 or KV_F8
  * (kv_half.h); `k_scale`, `v_scale`: int8 and fp8 only (NULL otherwise), dense float32, int8's
- * [num_blocks, block_size, num_kv_heads] (one per token), fp8's [num_blocks, num_kv_heads] (one per page).
+ * [num_blocks, block_size, num_kv_heads, ceil(head_dim / 16)] (one per token and 16 channels), fp8's [num_blocks, num_kv_heads] (one per page).
  * `window`: the sliding window in tokens, 0 for none (see the top of the file). `threads`: at most this many
  * of the pool's threads (the result is the same for any count). Returns 0, -1 when memory cannot be
  * allocated (then `out` may be partly written), or -2 for an unknown kv_format. */
@@ -564,8 +582,8 @@ static void write_token_scaled(int format, const float *x, int64_t slot, uint8_t
         const float *row = x + (int64_t)h * head_dim;
         uint8_t *page = cache + block * stride_block + h * stride_head;
         if (format == KV_I8)
-            write_int8_row(row, head_dim, (int8_t *)(page + offset * stride_token), scales + slot * num_kv_heads + h,
-                           rotated);
+            write_int8_row(row, head_dim, (int8_t *)(page + offset * stride_token),
+                           scales + (slot * num_kv_heads + h) * int8_groups(head_dim), rotated);
         else
             write_fp8_row(row, head_dim, page, stride_token, block_size, offset, scales + block * num_kv_heads + h);
     }
