@@ -92,7 +92,9 @@ def test_cpu_step_floor_writes_a_consistent_record(reference_only, tmp_path):
     for prefill, decode in (cases[:2], cases[2:]):
         gemm_ms, step_ms = decode["gemm_only"]["timing"]["median_ms"], decode["timing"]["median_ms"]
         assert decode["gemm_share_of_step"] == pytest.approx(gemm_ms / step_ms)
-        assert 0 < decode["gemm_share_of_step"] <= 1.5  # toy sizes time noisily, but they are inside the step
+        # The GEMMs and the step are timed in separate loops, 3 steps each, at toy sizes: on a loaded 2-core CI
+        # machine the share came out at 1.67. The check is that both were timed; the ratio's consistency is above.
+        assert 0 < decode["gemm_share_of_step"] <= 3
         floor_s = (4 * 8 * prefill["timing"]["median_ms"] / 16 + 4 / 2 * 3 * gemm_ms) / 1e3
         assert decode["workload_gemm_floor_output_tok_s"] == pytest.approx(4 * 4 / floor_s)
 
