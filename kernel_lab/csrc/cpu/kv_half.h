@@ -39,6 +39,10 @@ static inline float kv_fma(float a, float b, float c) {
 
 /* The int8 code outside the symmetric range [-127, 127]: a NaN stored into an int8 page. */
 #define KV_I8_NAN (-128)
+/* Channels per int8 scale (kv_cache.INT8_GROUP); a multiple of every ISA's float lanes (16, 8). */
+#define KV_I8_GROUP 16
+
+static inline int int8_groups(int head_dim) { return (head_dim + KV_I8_GROUP - 1) / KV_I8_GROUP; }
 
 static inline int64_t kv_element_bytes(int format) {
     return format == KV_F32 ? 4 : format == KV_I8 || format == KV_F8 ? 1 : 2;
@@ -213,52 +217,80 @@ static inline const char *kv_half_isa(void) { return "avx2"; }
 static inline const char *kv_half_isa(void) { return "scalar"; }
 #endif
 
-/* Scores of four narrow K rows against one (float32) query row. */
-static inline void dot_tokens_half(int format, const float *restrict qh, const void *const k[4], int head_dim,
-                                   float *restrict s) {
+/* An int8 row's group scale for channel d (`scales` the row's, one per KV_I8_GROUP channels); 1 for the other
+ * formats, whose rows carry none (their `scales` is NULL and never read). */
+static inline float group_scale(int format, const float *scales, int d) {
+    return format == KV_I8 ? scales[d / KV_I8_GROUP] : 1.0f;
+}
+
+/* Scores of four narrow K rows against one (float32) query row. int8 rows take their group scales (`ks[i]`,
+ * NULL otherwise) on the query in registers, so their scores need no scale afterwards; fp8's page scale is the
+ * caller's. */
+static inline void dot_tokens_half(int format, const float *restrict qh, const void *const k[4],
+                                   const float *const ks[4], int head_dim, float *restrict s) {
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
     int d = 0;
 #ifdef KV_LANES
     kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
         const kv_vec q = vec_load(qh + d);
-        a0 = vec_fmadd(q, vec_load_kv(format, k[0], d), a0);
-        a1 = vec_fmadd(q, vec_load_kv(format, k[1], d), a1);
-        a2 = vec_fmadd(q, vec_load_kv(format, k[2], d), a2);
-        a3 = vec_fmadd(q, vec_load_kv(format, k[3], d), a3);
+        kv_vec q0 = q, q1 = q, q2 = q, q3 = q;
+        if (format == KV_I8) {
+            q0 = vec_mul(q, vec_set1(group_scale(format, ks[0], d)));
+            q1 = vec_mul(q, vec_set1(group_scale(format, ks[1], d)));
+            q2 = vec_mul(q, vec_set1(group_scale(format, ks[2], d)));
+            q3 = vec_mul(q, vec_set1(group_scale(format, ks[3], d)));
+        }
+        a0 = vec_fmadd(q0, vec_load_kv(format, k[0], d), a0);
+        a1 = vec_fmadd(q1, vec_load_kv(format, k[1], d), a1);
+        a2 = vec_fmadd(q2, vec_load_kv(format, k[2], d), a2);
+        a3 = vec_fmadd(q3, vec_load_kv(format, k[3], d), a3);
     }
     s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
 #endif
     for (; d < head_dim; ++d) {
         const float qd = qh[d];
-        s0 = kv_fma(qd, kv_to_float(format, k[0], d), s0);
-        s1 = kv_fma(qd, kv_to_float(format, k[1], d), s1);
-        s2 = kv_fma(qd, kv_to_float(format, k[2], d), s2);
-        s3 = kv_fma(qd, kv_to_float(format, k[3], d), s3);
+        s0 = kv_fma(qd * group_scale(format, ks ? ks[0] : NULL, d), kv_to_float(format, k[0], d), s0);
+        s1 = kv_fma(qd * group_scale(format, ks ? ks[1] : NULL, d), kv_to_float(format, k[1], d), s1);
+        s2 = kv_fma(qd * group_scale(format, ks ? ks[2] : NULL, d), kv_to_float(format, k[2], d), s2);
+        s3 = kv_fma(qd * group_scale(format, ks ? ks[3] : NULL, d), kv_to_float(format, k[3], d), s3);
     }
     s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
 }
 
-static inline float dot_half(int format, const float *restrict qh, const void *restrict k, int head_dim) {
+/* One narrow K row's score (`ks`: an int8 row's group scales, else NULL), as dot_tokens_half. */
+static inline float dot_half(int format, const float *restrict qh, const void *restrict k, const float *ks,
+                             int head_dim) {
     float s = 0.0f;
     int d = 0;
 #ifdef KV_LANES
     kv_vec a = vec_zero();
-    for (; d + KV_LANES <= head_dim; d += KV_LANES) a = vec_fmadd(vec_load(qh + d), vec_load_kv(format, k, d), a);
+    for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+        kv_vec q = vec_load(qh + d);
+        if (format == KV_I8) q = vec_mul(q, vec_set1(group_scale(format, ks, d)));
+        a = vec_fmadd(q, vec_load_kv(format, k, d), a);
+    }
     s = vec_sum(a);
 #endif
-    for (; d < head_dim; ++d) s = kv_fma(qh[d], kv_to_float(format, k, d), s);
+    for (; d < head_dim; ++d) s = kv_fma(qh[d] * group_scale(format, ks, d), kv_to_float(format, k, d), s);
     return s;
 }
 
-/* acc += sum_i p[i] * v[i] over `count` (1 or 4) narrow V rows. */
+/* acc += sum_i p[i] * v[i] over `count` (1 or 4) narrow V rows; an int8 row's codes are weighted by p[i] times
+ * their group's scale (`vs[i]`, NULL for the other formats; fp8's page scale is already in p). */
 static inline void accumulate_half(int format, float *restrict acc, const float *p, const void *const *v,
-                                   int count, int head_dim) {
+                                   const float *const *vs, int count, int head_dim) {
     int d = 0;
 #ifdef KV_LANES
     if (count == 4) {
-        const kv_vec p0 = vec_set1(p[0]), p1 = vec_set1(p[1]), p2 = vec_set1(p[2]), p3 = vec_set1(p[3]);
+        kv_vec p0 = vec_set1(p[0]), p1 = vec_set1(p[1]), p2 = vec_set1(p[2]), p3 = vec_set1(p[3]);
         for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+            if (format == KV_I8) {
+                p0 = vec_set1(p[0] * group_scale(format, vs[0], d));
+                p1 = vec_set1(p[1] * group_scale(format, vs[1], d));
+                p2 = vec_set1(p[2] * group_scale(format, vs[2], d));
+                p3 = vec_set1(p[3] * group_scale(format, vs[3], d));
+            }
             kv_vec a = vec_load(acc + d);
             a = vec_fmadd(p0, vec_load_kv(format, v[0], d), a);
             a = vec_fmadd(p1, vec_load_kv(format, v[1], d), a);
@@ -267,14 +299,17 @@ static inline void accumulate_half(int format, float *restrict acc, const float 
             vec_store(acc + d, a);
         }
     } else {
-        const kv_vec p0 = vec_set1(p[0]);
-        for (; d + KV_LANES <= head_dim; d += KV_LANES)
+        kv_vec p0 = vec_set1(p[0]);
+        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
+            if (format == KV_I8) p0 = vec_set1(p[0] * group_scale(format, vs[0], d));
             vec_store(acc + d, vec_fmadd(p0, vec_load_kv(format, v[0], d), vec_load(acc + d)));
+        }
     }
 #endif
     for (; d < head_dim; ++d) {
         float a = acc[d];
-        for (int i = 0; i < count; ++i) a = kv_fma(p[i], kv_to_float(format, v[i], d), a);
+        for (int i = 0; i < count; ++i)
+            a = kv_fma(p[i] * group_scale(format, vs ? vs[i] : NULL, d), kv_to_float(format, v[i], d), a);
         acc[d] = a;
     }
 }

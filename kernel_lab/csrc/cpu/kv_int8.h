@@ -31,10 +31,6 @@
 #include "kv_half.h"
 
 #define KV_I8_MAX 127.0f
-/* Channels per int8 scale (kv_cache.INT8_GROUP); a multiple of every ISA's float lanes (16, 8). */
-#define KV_I8_GROUP 16
-
-static inline int int8_groups(int head_dim) { return (head_dim + KV_I8_GROUP - 1) / KV_I8_GROUP; }
 #define KV_F8_MAX 448.0f
 
 /* The smallest power of two >= amax / code_max, at least 2^-126; 0 for amax 0 (kv_cache.pow2_scale). */
@@ -114,78 +110,6 @@ static inline void write_int8_row(const float *restrict x, int head_dim, int8_t 
         const float s = int8_token_scale(finite_amax(x + lo, n));
         scales[g] = s;
         for (int d = lo; d < lo + n; ++d) dst[d] = int8_code(x[d], s);
-    }
-}
-
-/* Scores of four int8 K rows (codes `k[i]`, scales `ks[i]`, one per group) against one float32 query row:
- * each group's codes widen and take their scale in registers, so the score needs no scale afterwards. */
-static inline void dot_tokens_int8(const float *restrict qh, const void *const k[4], const float *const ks[4],
-                                   int head_dim, float *restrict s) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    int d = 0;
-#ifdef KV_LANES
-    kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
-    for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-        const kv_vec q = vec_load(qh + d);
-        const int g = d / KV_I8_GROUP;
-        a0 = vec_fmadd(vec_mul(q, vec_set1(ks[0][g])), vec_load_kv(KV_I8, k[0], d), a0);
-        a1 = vec_fmadd(vec_mul(q, vec_set1(ks[1][g])), vec_load_kv(KV_I8, k[1], d), a1);
-        a2 = vec_fmadd(vec_mul(q, vec_set1(ks[2][g])), vec_load_kv(KV_I8, k[2], d), a2);
-        a3 = vec_fmadd(vec_mul(q, vec_set1(ks[3][g])), vec_load_kv(KV_I8, k[3], d), a3);
-    }
-    s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
-#endif
-    for (; d < head_dim; ++d) {
-        const float qd = qh[d];
-        const int g = d / KV_I8_GROUP;
-        s0 = kv_fma(qd * ks[0][g], kv_to_float(KV_I8, k[0], d), s0);
-        s1 = kv_fma(qd * ks[1][g], kv_to_float(KV_I8, k[1], d), s1);
-        s2 = kv_fma(qd * ks[2][g], kv_to_float(KV_I8, k[2], d), s2);
-        s3 = kv_fma(qd * ks[3][g], kv_to_float(KV_I8, k[3], d), s3);
-    }
-    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
-}
-
-static inline float dot_int8(const float *restrict qh, const void *restrict k, const float *restrict ks,
-                             int head_dim) {
-    float s = 0.0f;
-    int d = 0;
-#ifdef KV_LANES
-    kv_vec a = vec_zero();
-    for (; d + KV_LANES <= head_dim; d += KV_LANES)
-        a = vec_fmadd(vec_mul(vec_load(qh + d), vec_set1(ks[d / KV_I8_GROUP])), vec_load_kv(KV_I8, k, d), a);
-    s = vec_sum(a);
-#endif
-    for (; d < head_dim; ++d) s = kv_fma(qh[d] * ks[d / KV_I8_GROUP], kv_to_float(KV_I8, k, d), s);
-    return s;
-}
-
-/* acc += sum_i p[i] * v[i] over `count` (1 or 4) int8 V rows, each group's codes weighted by p[i] times the
- * group's scale (`vs[i]`). */
-static inline void accumulate_int8(float *restrict acc, const float *p, const void *const *v,
-                                   const float *const *vs, int count, int head_dim) {
-    int d = 0;
-#ifdef KV_LANES
-    if (count == 4) {
-        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-            const int g = d / KV_I8_GROUP;
-            kv_vec a = vec_load(acc + d);
-            a = vec_fmadd(vec_set1(p[0] * vs[0][g]), vec_load_kv(KV_I8, v[0], d), a);
-            a = vec_fmadd(vec_set1(p[1] * vs[1][g]), vec_load_kv(KV_I8, v[1], d), a);
-            a = vec_fmadd(vec_set1(p[2] * vs[2][g]), vec_load_kv(KV_I8, v[2], d), a);
-            a = vec_fmadd(vec_set1(p[3] * vs[3][g]), vec_load_kv(KV_I8, v[3], d), a);
-            vec_store(acc + d, a);
-        }
-    } else {
-        for (; d + KV_LANES <= head_dim; d += KV_LANES)
-            vec_store(acc + d, vec_fmadd(vec_set1(p[0] * vs[0][d / KV_I8_GROUP]), vec_load_kv(KV_I8, v[0], d),
-                                         vec_load(acc + d)));
-    }
-#endif
-    for (; d < head_dim; ++d) {
-        float a = acc[d];
-        for (int i = 0; i < count; ++i) a = kv_fma(p[i] * vs[i][d / KV_I8_GROUP], kv_to_float(KV_I8, v[i], d), a);
-        acc[d] = a;
     }
 }
 

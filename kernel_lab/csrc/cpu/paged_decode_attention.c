@@ -233,12 +233,11 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     float *s = scores + h * score_row + t;
                     if (format == KV_F32) {
                         dot_tokens(qs + h * row, k, head_dim, s);
-                    } else if (format == KV_I8) {
-                        const float *ks[TOKENS];
-                        for (int i = 0; i < TOKENS; ++i) ks[i] = k_page_scale + (t + i) * scale_token + kvh * scale_head;
-                        dot_tokens_int8(qs + h * row, k16, ks, head_dim, s);
                     } else {
-                        dot_tokens_half(format, qs + h * row, k16, head_dim, s);
+                        const float *ks[TOKENS] = {NULL, NULL, NULL, NULL}; /* int8's group scales */
+                        if (format == KV_I8)
+                            for (int i = 0; i < TOKENS; ++i) ks[i] = k_page_scale + (t + i) * scale_token + kvh * scale_head;
+                        dot_tokens_half(format, qs + h * row, k16, ks, head_dim, s);
                         /* fp8: the page's K scale on each score (a power of two, so the same bits as the dot
                          * product of the scaled codes). */
                         if (format == KV_F8)
@@ -254,10 +253,10 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                 for (int h = kvh * group; h < (kvh + 1) * group; ++h)
                     scores[h * score_row + t] =
                         format == KV_F32  ? dot(qs + h * row, (const float *)k, head_dim)
-                        : format == KV_I8 ? dot_int8(qs + h * row, k, k_page_scale + t * scale_token + kvh * scale_head,
-                                                     head_dim)
-                        : format == KV_F8 ? dot_half(format, qs + h * row, k, head_dim) * k_page_scale[kvh]
-                                          : dot_half(format, qs + h * row, k, head_dim);
+                        : format == KV_I8 ? dot_half(format, qs + h * row, k,
+                                                     k_page_scale + t * scale_token + kvh * scale_head, head_dim)
+                        : format == KV_F8 ? dot_half(format, qs + h * row, k, NULL, head_dim) * k_page_scale[kvh]
+                                          : dot_half(format, qs + h * row, k, NULL, head_dim);
             }
         }
 
@@ -309,17 +308,17 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     if (format == KV_I8) { /* each group's V scale goes on the token's probability */
                         const float *vs[TOKENS];
                         for (int i = 0; i < TOKENS; ++i) vs[i] = v_page_scale + (t + i) * scale_token + kvh * scale_head;
-                        accumulate_int8(a, p, v16, vs, TOKENS, head_dim);
+                        accumulate_half(format, a, p, v16, vs, TOKENS, head_dim);
                         continue;
                     }
                     if (format == KV_F8) { /* the page's V scale goes on each probability */
                         const float vs = v_page_scale[kvh];
                         const float pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs, p[3] * vs};
-                        accumulate_half(format, a, pv, v16, TOKENS, head_dim);
+                        accumulate_half(format, a, pv, v16, NULL, TOKENS, head_dim);
                         continue;
                     }
                     if (format != KV_F32) {
-                        accumulate_half(format, a, p, v16, TOKENS, head_dim);
+                        accumulate_half(format, a, p, v16, NULL, TOKENS, head_dim);
                         continue;
                     }
                     const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
@@ -342,12 +341,12 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     float *restrict a = acc + h * row;
                     if (format == KV_I8) {
                         const float *vs[1] = {v_page_scale + t * scale_token + kvh * scale_head};
-                        accumulate_int8(a, p, v16, vs, 1, head_dim);
+                        accumulate_half(format, a, p, v16, vs, 1, head_dim);
                         continue;
                     }
                     if (format != KV_F32) {
                         const float pv = format == KV_F8 ? p[0] * v_page_scale[kvh] : p[0];
-                        accumulate_half(format, a, &pv, v16, 1, head_dim);
+                        accumulate_half(format, a, &pv, v16, NULL, 1, head_dim);
                         continue;
                     }
                     const float *vf = (const float *)v;
