@@ -36,14 +36,11 @@ keys carry most of a row's magnitude), so a row's scale follows them and the oth
 spreads every channel over all of them (QuaRot's observation), and the bound `|H k - code * s| <= s / 2` per
 element becomes, after the inverse, a bound on k's elements of half the mean scale of their Hadamard block's
 groups, with scales that no longer follow one channel. Why a scale per 16 channels and not per row: after the
-rotation a row's magnitude still varies along it, and a one-off fake-quant study on the bundled model (Zen 4, 2
-threads, not a record; float32 pages with K/V rounded through each candidate, greedy agreement over
-kv_page_agreement.py's 16 prompts) gave a scale per row 10/16, per 32 channels 11/16, per 16 channels on K only
-15/16, per 16 channels on K and V 16/16 (K grouped without the rotation: 9/16). The rotation is what first
-raised int8's greedy agreement with float32 pages (projects/09_engine/README.md). V's rows have milder outliers,
-and rotating them too raised the agreement again (same page). A non-finite element of a row spreads over its
-block (NaN where +inf meets -inf), where unrotated it stayed in its channel: the row's scores, or the output,
-were NaN or inf either way.
+rotation a row's magnitude still varies along it (the study behind the choice: docs/kv_page_formats.md). The
+rotation is what first raised int8's greedy agreement with float32 pages (projects/09_engine/README.md). V's rows
+have milder outliers, and rotating them too raised the agreement again (same page). A non-finite element of a
+row spreads over its block (NaN where +inf meets -inf), where unrotated it stayed in its channel: the row's
+scores, or the output, were NaN or inf either way.
 
 fp8 write policy (project 05's, as the CUDA kernels write it): every page scale `write_kv` writes is the
 smallest power of two >= amax / 448 (at least 2**-126) over everything the page and head has received; a page
