@@ -5,9 +5,9 @@
  * Reads widen in registers (AVX-512F: _mm512_cvtph_ps, 16 lanes; AVX2 with F16C and FMA: _mm256_cvtph_ps,
  * 8 lanes; bfloat16 is the top half of a float32, so it widens by a 16-bit shift; int8 sign-extends and
  * converts, its code -128 reading as NaN; an E4M3 byte moved into an fp16's bit positions is its value
- * times 2^-8, widened as fp16 and scaled back exactly, NaN patched) and accumulate in float32. A scaled row
- * (int8, fp8) is read as its codes: the page scale is applied by the caller, once per score and per
- * probability. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
+ * times 2^-8, widened as fp16 and scaled back exactly, NaN patched) and accumulate in float32. An int8 row is
+ * scaled per 16 channels as it is widened; an fp8 row is read as its codes, its page scale applied by the
+ * caller once per score and per probability. Every build also has the scalar path (the remainder of a row, and the whole row without AVX);
  * `kv_half_isa()` names the widest path the build took, so the tests can check each narrowed build really
  * ran its own. Writes round to nearest even, as torch's `.to(float16 / bfloat16)` does, bit for bit
  * (subnormals kept, overflow to infinity, NaN stays NaN). */
@@ -217,101 +217,126 @@ static inline const char *kv_half_isa(void) { return "avx2"; }
 static inline const char *kv_half_isa(void) { return "scalar"; }
 #endif
 
-/* An int8 row's group scale for channel d (`scales` the row's, one per KV_I8_GROUP channels); 1 for the other
- * formats, whose rows carry none (their `scales` is NULL and never read). */
-static inline float group_scale(int format, const float *scales, int d) {
-    return format == KV_I8 ? scales[d / KV_I8_GROUP] : 1.0f;
+#if defined(__GNUC__)
+#define KV_INLINE inline __attribute__((always_inline))
+#else
+#define KV_INLINE inline
+#endif
+
+/* Rows of one KV head that one pass reads together (the caller's TOKENS), and the query heads of that KV head
+ * it serves at once. Each row is widened (and, for int8, scaled) once per pass for all of those heads, not
+ * once per head: with GQA the widening cost per head per element was what bounded the narrow formats (the
+ * AVX-512 build read int8 pages at under a fifth of the machine's read bandwidth). The KV_HEADS_PER_PASS x
+ * KV_ROWS accumulators take 16 of AVX-512's 32 registers, 8 of AVX2's 16. */
+#define KV_ROWS 4
+#if defined(KV_LANES) && KV_LANES == 8
+#define KV_HEADS_PER_PASS 2
+#else
+#define KV_HEADS_PER_PASS 4
+#endif
+
+/* The sums of four vectors, into dst[0..3]: a transposing add tree, 14 shuffles and adds on AVX-512 where four
+ * separate reductions take 32 (they were a third of a pass's instructions). */
+#if defined(__AVX512F__)
+static inline void vec_sum4(const kv_vec a[4], float *dst) {
+    /* halves: r01 lanes 0-7 hold a0's 8-lane partial sums, lanes 8-15 a1's */
+    const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xee));
+    const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xee));
+    /* quarters: quarter j holds a_j's 4-lane partial sums */
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, 0x88), _mm512_shuffle_f32x4(r01, r23, 0xdd));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e)); /* + the other pair of the quarter */
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xb1)); /* + the neighbour: every lane of quarter j is a_j's sum */
+    const __m512 firsts = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v);
+    _mm_storeu_ps(dst, _mm512_castps512_ps128(firsts));
+}
+#elif defined(KV_LANES)
+static inline void vec_sum4(const kv_vec a[4], float *dst) {
+    /* lanes 0-3 of the 128-bit half h: a_0..a_3's sums over that half's four lanes */
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(dst, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+#endif
+
+/* Channel d of a row as the reads use it: widened, times its group's scale for int8 (`scales` the row's, one
+ * per KV_I8_GROUP channels; NULL and never read for the other formats, fp8's page scale being the caller's). */
+static inline float row_element(int format, const void *row, const float *scales, int d) {
+    if (format == KV_F32) return ((const float *)row)[d];
+    const float x = kv_to_float(format, row, d);
+    return format == KV_I8 ? x * scales[d / KV_I8_GROUP] : x;
 }
 
-/* Scores of four narrow K rows against one (float32) query row. int8 rows take their group scales (`ks[i]`,
- * NULL otherwise) on the query in registers, so their scores need no scale afterwards; fp8's page scale is the
- * caller's. */
-static inline void dot_tokens_half(int format, const float *restrict qh, const void *const k[4],
-                                   const float *const ks[4], int head_dim, float *restrict s) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#ifdef KV_LANES
+static inline kv_vec vec_load_row(int format, const void *row, const float *scales, int d) {
+    if (format == KV_F32) return vec_load((const float *)row + d);
+    const kv_vec x = vec_load_kv(format, row, d);
+    /* KV_I8_GROUP is a multiple of the lanes: one scale per vector */
+    return format == KV_I8 ? vec_mul(x, vec_set1(scales[d / KV_I8_GROUP])) : x;
+}
+#endif
+
+/* Scores of nt (KV_ROWS or 1) rows of one KV head, k[i] (int8: with its group scales ks[i], else ks is NULL),
+ * against nh (KV_HEADS_PER_PASS or 1) query rows q + h * q_row: s[h * s_row + i]. Called with constant nh and
+ * nt, so the accumulators live in registers. */
+static KV_INLINE void score_rows(int format, int nh, int nt, const float *restrict q, int64_t q_row,
+                                 const void *const *k, const float *const *ks, int head_dim, float *restrict s,
+                                 int64_t s_row) {
     int d = 0;
 #ifdef KV_LANES
-    kv_vec a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
+    kv_vec acc[KV_HEADS_PER_PASS][KV_ROWS];
+    for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < nt; ++i) acc[h][i] = vec_zero();
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-        const kv_vec q = vec_load(qh + d);
-        kv_vec q0 = q, q1 = q, q2 = q, q3 = q;
-        if (format == KV_I8) {
-            q0 = vec_mul(q, vec_set1(group_scale(format, ks[0], d)));
-            q1 = vec_mul(q, vec_set1(group_scale(format, ks[1], d)));
-            q2 = vec_mul(q, vec_set1(group_scale(format, ks[2], d)));
-            q3 = vec_mul(q, vec_set1(group_scale(format, ks[3], d)));
+        kv_vec kv[KV_ROWS];
+        for (int i = 0; i < nt; ++i) kv[i] = vec_load_row(format, k[i], ks ? ks[i] : NULL, d);
+        for (int h = 0; h < nh; ++h) {
+            const kv_vec qv = vec_load(q + h * q_row + d);
+            for (int i = 0; i < nt; ++i) acc[h][i] = vec_fmadd(qv, kv[i], acc[h][i]);
         }
-        a0 = vec_fmadd(q0, vec_load_kv(format, k[0], d), a0);
-        a1 = vec_fmadd(q1, vec_load_kv(format, k[1], d), a1);
-        a2 = vec_fmadd(q2, vec_load_kv(format, k[2], d), a2);
-        a3 = vec_fmadd(q3, vec_load_kv(format, k[3], d), a3);
     }
-    s0 = vec_sum(a0), s1 = vec_sum(a1), s2 = vec_sum(a2), s3 = vec_sum(a3);
+    for (int h = 0; h < nh; ++h) {
+        if (nt == KV_ROWS)
+            vec_sum4(acc[h], s + h * s_row);
+        else
+            for (int i = 0; i < nt; ++i) s[h * s_row + i] = vec_sum(acc[h][i]);
+    }
+#else
+    for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < nt; ++i) s[h * s_row + i] = 0.0f;
 #endif
-    for (; d < head_dim; ++d) {
-        const float qd = qh[d];
-        s0 = kv_fma(qd * group_scale(format, ks ? ks[0] : NULL, d), kv_to_float(format, k[0], d), s0);
-        s1 = kv_fma(qd * group_scale(format, ks ? ks[1] : NULL, d), kv_to_float(format, k[1], d), s1);
-        s2 = kv_fma(qd * group_scale(format, ks ? ks[2] : NULL, d), kv_to_float(format, k[2], d), s2);
-        s3 = kv_fma(qd * group_scale(format, ks ? ks[3] : NULL, d), kv_to_float(format, k[3], d), s3);
-    }
-    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+    for (; d < head_dim; ++d)
+        for (int i = 0; i < nt; ++i) {
+            const float x = row_element(format, k[i], ks ? ks[i] : NULL, d);
+            for (int h = 0; h < nh; ++h) s[h * s_row + i] = kv_fma(q[h * q_row + d], x, s[h * s_row + i]);
+        }
 }
 
-/* One narrow K row's score (`ks`: an int8 row's group scales, else NULL), as dot_tokens_half. */
-static inline float dot_half(int format, const float *restrict qh, const void *restrict k, const float *ks,
-                             int head_dim) {
-    float s = 0.0f;
+/* acc[h * acc_row + d] += sum_i p[h * p_row + i] * p_scale * v_i[d] over nt rows of one KV head (int8: scaled
+ * per group, vs[i]; else vs is NULL) for nh query heads; p_scale is fp8's page scale, 1 otherwise. */
+static KV_INLINE void accumulate_rows(int format, int nh, int nt, float *restrict acc, int64_t acc_row,
+                                      const float *restrict p, int64_t p_row, float p_scale, const void *const *v,
+                                      const float *const *vs, int head_dim) {
     int d = 0;
 #ifdef KV_LANES
-    kv_vec a = vec_zero();
+    kv_vec w[KV_HEADS_PER_PASS][KV_ROWS];
+    for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < nt; ++i) w[h][i] = vec_set1(p[h * p_row + i] * p_scale);
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-        kv_vec q = vec_load(qh + d);
-        if (format == KV_I8) q = vec_mul(q, vec_set1(group_scale(format, ks, d)));
-        a = vec_fmadd(q, vec_load_kv(format, k, d), a);
-    }
-    s = vec_sum(a);
-#endif
-    for (; d < head_dim; ++d) s = kv_fma(qh[d] * group_scale(format, ks, d), kv_to_float(format, k, d), s);
-    return s;
-}
-
-/* acc += sum_i p[i] * v[i] over `count` (1 or 4) narrow V rows; an int8 row's codes are weighted by p[i] times
- * their group's scale (`vs[i]`, NULL for the other formats; fp8's page scale is already in p). */
-static inline void accumulate_half(int format, float *restrict acc, const float *p, const void *const *v,
-                                   const float *const *vs, int count, int head_dim) {
-    int d = 0;
-#ifdef KV_LANES
-    if (count == 4) {
-        kv_vec p0 = vec_set1(p[0]), p1 = vec_set1(p[1]), p2 = vec_set1(p[2]), p3 = vec_set1(p[3]);
-        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-            if (format == KV_I8) {
-                p0 = vec_set1(p[0] * group_scale(format, vs[0], d));
-                p1 = vec_set1(p[1] * group_scale(format, vs[1], d));
-                p2 = vec_set1(p[2] * group_scale(format, vs[2], d));
-                p3 = vec_set1(p[3] * group_scale(format, vs[3], d));
-            }
-            kv_vec a = vec_load(acc + d);
-            a = vec_fmadd(p0, vec_load_kv(format, v[0], d), a);
-            a = vec_fmadd(p1, vec_load_kv(format, v[1], d), a);
-            a = vec_fmadd(p2, vec_load_kv(format, v[2], d), a);
-            a = vec_fmadd(p3, vec_load_kv(format, v[3], d), a);
-            vec_store(acc + d, a);
-        }
-    } else {
-        kv_vec p0 = vec_set1(p[0]);
-        for (; d + KV_LANES <= head_dim; d += KV_LANES) {
-            if (format == KV_I8) p0 = vec_set1(p[0] * group_scale(format, vs[0], d));
-            vec_store(acc + d, vec_fmadd(p0, vec_load_kv(format, v[0], d), vec_load(acc + d)));
+        kv_vec x[KV_ROWS];
+        for (int i = 0; i < nt; ++i) x[i] = vec_load_row(format, v[i], vs ? vs[i] : NULL, d);
+        for (int h = 0; h < nh; ++h) {
+            kv_vec a = vec_load(acc + h * acc_row + d);
+            for (int i = 0; i < nt; ++i) a = vec_fmadd(w[h][i], x[i], a);
+            vec_store(acc + h * acc_row + d, a);
         }
     }
 #endif
-    for (; d < head_dim; ++d) {
-        float a = acc[d];
-        for (int i = 0; i < count; ++i)
-            a = kv_fma(p[i] * group_scale(format, vs ? vs[i] : NULL, d), kv_to_float(format, v[i], d), a);
-        acc[d] = a;
-    }
+    for (; d < head_dim; ++d)
+        for (int h = 0; h < nh; ++h) {
+            float a = acc[h * acc_row + d];
+            for (int i = 0; i < nt; ++i)
+                a = kv_fma(p[h * p_row + i] * p_scale, row_element(format, v[i], vs ? vs[i] : NULL, d), a);
+            acc[h * acc_row + d] = a;
+        }
 }
 
 #endif

@@ -33,44 +33,17 @@
 /* Tokens whose scores (and V contributions) are computed together: four dot products in one loop give the
  * FMA units four independent chains instead of one latency-bound chain, and an accumulator row is loaded
  * and stored once per four V rows rather than once per row. (Eight measured no better.) */
-#define TOKENS 4
+#define TOKENS KV_ROWS
 
 /* Per-head scratch rows are padded to this many floats, so each starts on a 64-byte line. */
 #define ROW_ALIGN 16
 
+#define ALWAYS_INLINE KV_INLINE
 #if defined(__GNUC__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #else
-#define ALWAYS_INLINE inline
 #define PREFETCH(p) ((void)(p))
 #endif
-
-/* Scores of TOKENS tokens against one query row. */
-static inline void dot_tokens(const float *restrict qh, const float *const k[TOKENS], int head_dim,
-                              float *restrict s) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int d = 0; d < head_dim; ++d) {
-        const float qd = qh[d];
-        s0 += qd * k0[d];
-        s1 += qd * k1[d];
-        s2 += qd * k2[d];
-        s3 += qd * k3[d];
-    }
-    s[0] = s0;
-    s[1] = s1;
-    s[2] = s2;
-    s[3] = s3;
-}
-
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int d = 0; d < n; ++d) s += a[d] * b[d];
-    return s;
-}
 
 /* Pages sit at random places in the pool and span only a few 4 KiB pages, where hardware prefetchers stop,
  * so without help most lines of a page arrive at full memory latency. So each pass over a page asks for
@@ -216,47 +189,54 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
         const char *next_k = (const char *)k_cache + (next < 0 ? 0 : next) * cache_stride_block;
         const char *next_v = (const char *)v_cache + (next < 0 ? 0 : next) * cache_stride_block;
 
-        /* Scores: a K row, once loaded, serves every query head of its KV head. */
+        /* Scores: a K row, once widened, serves every query head of its KV head (kv_half.h's score_rows). */
         int t = 0;
         for (; t + TOKENS <= tokens; t += TOKENS) {
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                /* Typed pointer arrays for each format: one array read through both would alias. */
-                const float *k[TOKENS];
-                const void *k16[TOKENS];
+                const void *k[TOKENS];
+                const float *ks[TOKENS]; /* int8's group scales */
                 for (int i = 0; i < TOKENS; ++i) {
-                    const char *at = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
-                    k[i] = (const float *)at;
-                    k16[i] = at;
+                    k[i] = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
+                    ks[i] = format == KV_I8 ? k_page_scale + (t + i) * scale_token + kvh * scale_head : NULL;
                 }
-                for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-                    prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                for (int h = kvh * group; h < (kvh + 1) * group;) {
+                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
+                    for (int j = h; j < h + nh; ++j)
+                        prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, j, num_q_heads);
                     float *s = scores + h * score_row + t;
-                    if (format == KV_F32) {
-                        dot_tokens(qs + h * row, k, head_dim, s);
-                    } else {
-                        const float *ks[TOKENS] = {NULL, NULL, NULL, NULL}; /* int8's group scales */
-                        if (format == KV_I8)
-                            for (int i = 0; i < TOKENS; ++i) ks[i] = k_page_scale + (t + i) * scale_token + kvh * scale_head;
-                        dot_tokens_half(format, qs + h * row, k16, ks, head_dim, s);
-                        /* fp8: the page's K scale on each score (a power of two, so the same bits as the dot
-                         * product of the scaled codes). */
-                        if (format == KV_F8)
-                            for (int i = 0; i < TOKENS; ++i) s[i] *= k_page_scale[(t + i) * scale_token + kvh];
-                    }
+                    if (nh == KV_HEADS_PER_PASS)
+                        score_rows(format, KV_HEADS_PER_PASS, TOKENS, qs + h * row, row, k,
+                                   format == KV_I8 ? ks : NULL, head_dim, s, score_row);
+                    else
+                        score_rows(format, 1, TOKENS, qs + h * row, row, k, format == KV_I8 ? ks : NULL, head_dim,
+                                   s, score_row);
+                    /* fp8: the page's K scale on each score (a power of two, so the same bits as the dot
+                     * product of the scaled codes). */
+                    if (format == KV_F8)
+                        for (int j = 0; j < nh; ++j)
+                            for (int i = 0; i < TOKENS; ++i) s[j * score_row + i] *= k_page_scale[kvh];
+                    h += nh;
                 }
             }
         }
         prefetch_part(next_k, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
         for (; t < tokens; ++t) {
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                const char *k = k_page + t * cache_stride_token + kvh * cache_stride_head;
-                for (int h = kvh * group; h < (kvh + 1) * group; ++h)
-                    scores[h * score_row + t] =
-                        format == KV_F32  ? dot(qs + h * row, (const float *)k, head_dim)
-                        : format == KV_I8 ? dot_half(format, qs + h * row, k,
-                                                     k_page_scale + t * scale_token + kvh * scale_head, head_dim)
-                        : format == KV_F8 ? dot_half(format, qs + h * row, k, NULL, head_dim) * k_page_scale[kvh]
-                                          : dot_half(format, qs + h * row, k, NULL, head_dim);
+                const void *k[1] = {k_page + t * cache_stride_token + kvh * cache_stride_head};
+                const float *ks[1] = {format == KV_I8 ? k_page_scale + t * scale_token + kvh * scale_head : NULL};
+                for (int h = kvh * group; h < (kvh + 1) * group;) {
+                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
+                    float *s = scores + h * score_row + t;
+                    if (nh == KV_HEADS_PER_PASS)
+                        score_rows(format, KV_HEADS_PER_PASS, 1, qs + h * row, row, k, format == KV_I8 ? ks : NULL,
+                                   head_dim, s, score_row);
+                    else
+                        score_rows(format, 1, 1, qs + h * row, row, k, format == KV_I8 ? ks : NULL, head_dim, s,
+                                   score_row);
+                    if (format == KV_F8)
+                        for (int j = 0; j < nh; ++j) s[j * score_row] *= k_page_scale[kvh];
+                    h += nh;
+                }
             }
         }
 
@@ -294,64 +274,49 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
             for (int d = 0; d < head_dim; ++d) a[d] *= c;
         }
 
-        /* V, in the same order as K. */
+        /* V, in the same order as K, each row widened once for its KV head's query heads. fp8's page V scale
+         * goes on each probability, int8's group scales on the widened rows (kv_half.h's accumulate_rows). */
         t = 0;
         for (; t + TOKENS <= tokens; t += TOKENS) {
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                const char *row0 = v_page + t * cache_stride_token + kvh * cache_stride_head;
-                const void *v16[TOKENS];
-                for (int i = 0; i < TOKENS; ++i) v16[i] = row0 + i * cache_stride_token;
-                for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-                    prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                const void *v[TOKENS];
+                const float *vs[TOKENS];
+                for (int i = 0; i < TOKENS; ++i) {
+                    v[i] = v_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
+                    vs[i] = format == KV_I8 ? v_page_scale + (t + i) * scale_token + kvh * scale_head : NULL;
+                }
+                const float p_scale = format == KV_F8 ? v_page_scale[kvh] : 1.0f;
+                for (int h = kvh * group; h < (kvh + 1) * group;) {
+                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
+                    for (int j = h; j < h + nh; ++j)
+                        prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, j, num_q_heads);
                     const float *p = scores + h * score_row + t;
-                    float *restrict a = acc + h * row;
-                    if (format == KV_I8) { /* each group's V scale goes on the token's probability */
-                        const float *vs[TOKENS];
-                        for (int i = 0; i < TOKENS; ++i) vs[i] = v_page_scale + (t + i) * scale_token + kvh * scale_head;
-                        accumulate_half(format, a, p, v16, vs, TOKENS, head_dim);
-                        continue;
-                    }
-                    if (format == KV_F8) { /* the page's V scale goes on each probability */
-                        const float vs = v_page_scale[kvh];
-                        const float pv[TOKENS] = {p[0] * vs, p[1] * vs, p[2] * vs, p[3] * vs};
-                        accumulate_half(format, a, pv, v16, NULL, TOKENS, head_dim);
-                        continue;
-                    }
-                    if (format != KV_F32) {
-                        accumulate_half(format, a, p, v16, NULL, TOKENS, head_dim);
-                        continue;
-                    }
-                    const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-                    const float *v0 = (const float *)row0, *v1 = (const float *)(row0 + cache_stride_token);
-                    const float *v2 = (const float *)(row0 + 2 * cache_stride_token);
-                    const float *v3 = (const float *)(row0 + 3 * cache_stride_token);
-#pragma omp simd
-                    for (int d = 0; d < head_dim; ++d)
-                        a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                    if (nh == KV_HEADS_PER_PASS)
+                        accumulate_rows(format, KV_HEADS_PER_PASS, TOKENS, acc + h * row, row, p, score_row, p_scale,
+                                        v, format == KV_I8 ? vs : NULL, head_dim);
+                    else
+                        accumulate_rows(format, 1, TOKENS, acc + h * row, row, p, score_row, p_scale, v,
+                                        format == KV_I8 ? vs : NULL, head_dim);
+                    h += nh;
                 }
             }
         }
         prefetch_part(next_v, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
         for (; t < tokens; ++t) {
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-                const char *v = v_page + t * cache_stride_token + kvh * cache_stride_head;
-                const void *v16[1] = {v};
-                for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+                const void *v[1] = {v_page + t * cache_stride_token + kvh * cache_stride_head};
+                const float *vs[1] = {format == KV_I8 ? v_page_scale + t * scale_token + kvh * scale_head : NULL};
+                const float p_scale = format == KV_F8 ? v_page_scale[kvh] : 1.0f;
+                for (int h = kvh * group; h < (kvh + 1) * group;) {
+                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
                     const float *p = scores + h * score_row + t;
-                    float *restrict a = acc + h * row;
-                    if (format == KV_I8) {
-                        const float *vs[1] = {v_page_scale + t * scale_token + kvh * scale_head};
-                        accumulate_half(format, a, p, v16, vs, 1, head_dim);
-                        continue;
-                    }
-                    if (format != KV_F32) {
-                        const float pv = format == KV_F8 ? p[0] * v_page_scale[kvh] : p[0];
-                        accumulate_half(format, a, &pv, v16, NULL, 1, head_dim);
-                        continue;
-                    }
-                    const float *vf = (const float *)v;
-#pragma omp simd
-                    for (int d = 0; d < head_dim; ++d) a[d] += p[0] * vf[d];
+                    if (nh == KV_HEADS_PER_PASS)
+                        accumulate_rows(format, KV_HEADS_PER_PASS, 1, acc + h * row, row, p, score_row, p_scale, v,
+                                        format == KV_I8 ? vs : NULL, head_dim);
+                    else
+                        accumulate_rows(format, 1, 1, acc + h * row, row, p, score_row, p_scale, v,
+                                        format == KV_I8 ? vs : NULL, head_dim);
+                    h += nh;
                 }
             }
         }
