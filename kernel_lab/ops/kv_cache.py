@@ -154,11 +154,12 @@ def write_kv_bytes_moved(tokens: int, num_kv_heads: int, head_dim: int, dtype: t
     scales already cover its data (a decode step's append in the steady state). Not counted, as it depends
     on the data: a page whose scale grows is rewritten once (its block_size * head_dim bytes per KV head
     read and written, its new scale stored), and a slot of -1 costs its 8 slot bytes only. An int8 write
-    stores each row's own K and V scale instead (2 * tokens * num_kv_heads float32) and `pages` is unused."""
+    stores each row's own K and V scales instead (2 * tokens * num_kv_heads * int8_groups(head_dim) float32) and
+    `pages` is unused."""
     rows = 2 * tokens * num_kv_heads * head_dim
     scales = 0
     if cache_dtype in SCALED_DTYPES:
-        scales = 2 * (tokens if cache_dtype == torch.int8 else pages) * num_kv_heads * 4
+        scales = 2 * (tokens * int8_groups(head_dim) if cache_dtype == torch.int8 else pages) * num_kv_heads * 4
     return rows * (dtype.itemsize + cache_dtype.itemsize) + 8 * tokens + scales
 
 

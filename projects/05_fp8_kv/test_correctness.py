@@ -167,7 +167,8 @@ def test_write_kv_non_fp8_stores_exactly(dtype):
 
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float16, torch.float16), (torch.float32, torch.float32),
-                                                 (torch.bfloat16, FP8_DTYPE), (torch.float32, FP8_DTYPE)])
+                                                 (torch.bfloat16, FP8_DTYPE), (torch.float32, FP8_DTYPE),
+                                                 (torch.float32, torch.int8)])
 def test_write_kv_bytes_moved_is_what_a_write_touches(dtype, cache_dtype):
     """Against an independent count (nbytes of the inputs and of each stored row and page scale), on a
     steady-state write (the scales already cover the data), checking that nothing else changes."""
@@ -183,8 +184,11 @@ def test_write_kv_bytes_moved_is_what_a_write_touches(dtype, cache_dtype):
     blocks, offsets = slots // block_size, slots % block_size
     pages = blocks.unique()
     expected = key.nbytes + value.nbytes + slots.nbytes + kc[blocks, offsets].nbytes + vc[blocks, offsets].nbytes
-    if ks is not None:
+    if cache_dtype == torch.int8:  # a scale per written token, KV head and 16 channels
+        expected += ks[blocks, offsets].nbytes + vs[blocks, offsets].nbytes
+    elif ks is not None:
         expected += ks[pages].nbytes + vs[pages].nbytes
+    if cache_dtype == FP8_DTYPE:
         assert torch.equal(ks, before[2]) and torch.equal(vs, before[3]), "a steady-state write grew a scale"
     assert write_kv_bytes_moved(5, heads, head_dim, dtype, cache_dtype, len(pages)) == expected
     untouched = torch.ones(kc.shape[:2], dtype=torch.bool)

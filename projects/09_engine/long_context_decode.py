@@ -47,10 +47,13 @@ def main(argv=None) -> int:
     parser.add_argument("--isa", default="native", help="the llama.cpp build (native or avx2) and our ISA path")
     parser.add_argument("--out")
     parser.add_argument("--note", default="")
+    parser.add_argument("--label", default="", help="added to the record's name, so a run of other points does not "
+                        "replace an earlier record on the same machine")
     args = parser.parse_args(argv)
     model = gguf_path(args.model)
     tools = llama_cpp_tools.find_tools(args.isa)
-    record = ResultRecord("09_engine", f"cpu long-context batch-1 decode on {model_label(str(model))}", "cpu",
+    record = ResultRecord("09_engine", f"cpu long-context batch-1 decode on {model_label(str(model))}"
+                          + (f", {args.label}" if args.label else ""), "cpu",
                           f"batch-1 decode tok/s after D context tokens, {args.gen} generated; ours (1 / median "
                           "decode-only step, kernel-lab bench throughput) per KV page format against "
                           f"llama-bench -d D -ctk/-ctv per cache type, alternating, one run each. {args.note}".strip(),
