@@ -274,7 +274,7 @@ static inline kv_vec vec_load_row(int format, const void *row, const float *scal
 }
 #endif
 
-/* Scores of nt (KV_ROWS or 1) rows of one KV head, k[i] (int8: with its group scales ks[i], else ks is NULL),
+/* Scores of nt (KV_ROWS or 1) rows of one KV head, k[i] (int8: with its group scales ks[i], else NULL),
  * against nh (KV_HEADS_PER_PASS or 1) query rows q + h * q_row: s[h * s_row + i]. Called with constant nh and
  * nt, so the accumulators live in registers. */
 static KV_INLINE void score_rows(int format, int nh, int nt, const float *restrict q, int64_t q_row,
@@ -287,7 +287,7 @@ static KV_INLINE void score_rows(int format, int nh, int nt, const float *restri
         for (int i = 0; i < nt; ++i) acc[h][i] = vec_zero();
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
         kv_vec kv[KV_ROWS];
-        for (int i = 0; i < nt; ++i) kv[i] = vec_load_row(format, k[i], ks ? ks[i] : NULL, d);
+        for (int i = 0; i < nt; ++i) kv[i] = vec_load_row(format, k[i], ks[i], d);
         for (int h = 0; h < nh; ++h) {
             const kv_vec qv = vec_load(q + h * q_row + d);
             for (int i = 0; i < nt; ++i) acc[h][i] = vec_fmadd(qv, kv[i], acc[h][i]);
@@ -305,13 +305,13 @@ static KV_INLINE void score_rows(int format, int nh, int nt, const float *restri
 #endif
     for (; d < head_dim; ++d)
         for (int i = 0; i < nt; ++i) {
-            const float x = row_element(format, k[i], ks ? ks[i] : NULL, d);
+            const float x = row_element(format, k[i], ks[i], d);
             for (int h = 0; h < nh; ++h) s[h * s_row + i] = kv_fma(q[h * q_row + d], x, s[h * s_row + i]);
         }
 }
 
 /* acc[h * acc_row + d] += sum_i p[h * p_row + i] * p_scale * v_i[d] over nt rows of one KV head (int8: scaled
- * per group, vs[i]; else vs is NULL) for nh query heads; p_scale is fp8's page scale, 1 otherwise. */
+ * per group, vs[i]; else NULL) for nh query heads; p_scale is fp8's page scale, 1 otherwise. */
 static KV_INLINE void accumulate_rows(int format, int nh, int nt, float *restrict acc, int64_t acc_row,
                                       const float *restrict p, int64_t p_row, float p_scale, const void *const *v,
                                       const float *const *vs, int head_dim) {
@@ -322,7 +322,7 @@ static KV_INLINE void accumulate_rows(int format, int nh, int nt, float *restric
         for (int i = 0; i < nt; ++i) w[h][i] = vec_set1(p[h * p_row + i] * p_scale);
     for (; d + KV_LANES <= head_dim; d += KV_LANES) {
         kv_vec x[KV_ROWS];
-        for (int i = 0; i < nt; ++i) x[i] = vec_load_row(format, v[i], vs ? vs[i] : NULL, d);
+        for (int i = 0; i < nt; ++i) x[i] = vec_load_row(format, v[i], vs[i], d);
         for (int h = 0; h < nh; ++h) {
             kv_vec a = vec_load(acc + h * acc_row + d);
             for (int i = 0; i < nt; ++i) a = vec_fmadd(w[h][i], x[i], a);
@@ -334,7 +334,7 @@ static KV_INLINE void accumulate_rows(int format, int nh, int nt, float *restric
         for (int h = 0; h < nh; ++h) {
             float a = acc[h * acc_row + d];
             for (int i = 0; i < nt; ++i)
-                a = kv_fma(p[h * p_row + i] * p_scale, row_element(format, v[i], vs ? vs[i] : NULL, d), a);
+                a = kv_fma(p[h * p_row + i] * p_scale, row_element(format, v[i], vs[i], d), a);
             acc[h * acc_row + d] = a;
         }
 }

@@ -107,6 +107,42 @@ typedef struct {
     int status[MAX_PARTS];
 } Attention;
 
+/* Scores of nt rows of one KV head (k; ks their int8 group scales, NULL entries otherwise) for its query heads
+ * [h, end), KV_HEADS_PER_PASS at a time and the rest one by one, into s[h * s_row + i]; fp8's page K scale goes
+ * on each score (a power of two, so the same bits as the dot product of the scaled codes). */
+static ALWAYS_INLINE void score_heads(int format, int nt, int h, int end, const float *qs, int64_t row,
+                                      const void *const *k, const float *const *ks, float fp8_scale, int head_dim,
+                                      float *s, int64_t s_row) {
+    while (h < end) {
+        const int nh = end - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
+        float *sh = s + h * s_row;
+        if (nh == KV_HEADS_PER_PASS)
+            score_rows(format, KV_HEADS_PER_PASS, nt, qs + h * row, row, k, ks, head_dim, sh, s_row);
+        else
+            score_rows(format, 1, nt, qs + h * row, row, k, ks, head_dim, sh, s_row);
+        if (format == KV_F8)
+            for (int j = 0; j < nh; ++j)
+                for (int i = 0; i < nt; ++i) sh[j * s_row + i] *= fp8_scale;
+        h += nh;
+    }
+}
+
+/* acc rows of query heads [h, end) += their probabilities p[h * p_row + i] (times fp8's page V scale) times nt
+ * V rows of one KV head (v; vs their int8 group scales, NULL entries otherwise), heads grouped as score_heads. */
+static ALWAYS_INLINE void accumulate_heads(int format, int nt, int h, int end, float *acc, int64_t row,
+                                           const float *p, int64_t p_row, float p_scale, const void *const *v,
+                                           const float *const *vs, int head_dim) {
+    while (h < end) {
+        const int nh = end - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
+        if (nh == KV_HEADS_PER_PASS)
+            accumulate_rows(format, KV_HEADS_PER_PASS, nt, acc + h * row, row, p + h * p_row, p_row, p_scale, v, vs,
+                            head_dim);
+        else
+            accumulate_rows(format, 1, nt, acc + h * row, row, p + h * p_row, p_row, p_scale, v, vs, head_dim);
+        h += nh;
+    }
+}
+
 /* Attend one span: q scaled (and rotated for int8), the online softmax over the span's pages, then the
  * normalised rows into out (a whole context) or the span's partial state. `scratch` holds one part's rows.
  * Inlined per page format twice (see the entry point): for head_dim 64 with constant trip counts (no
@@ -199,24 +235,10 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     k[i] = k_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
                     ks[i] = format == KV_I8 ? k_page_scale + (t + i) * scale_token + kvh * scale_head : NULL;
                 }
-                for (int h = kvh * group; h < (kvh + 1) * group;) {
-                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
-                    for (int j = h; j < h + nh; ++j)
-                        prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, j, num_q_heads);
-                    float *s = scores + h * score_row + t;
-                    if (nh == KV_HEADS_PER_PASS)
-                        score_rows(format, KV_HEADS_PER_PASS, TOKENS, qs + h * row, row, k,
-                                   format == KV_I8 ? ks : NULL, head_dim, s, score_row);
-                    else
-                        score_rows(format, 1, TOKENS, qs + h * row, row, k, format == KV_I8 ? ks : NULL, head_dim,
-                                   s, score_row);
-                    /* fp8: the page's K scale on each score (a power of two, so the same bits as the dot
-                     * product of the scaled codes). */
-                    if (format == KV_F8)
-                        for (int j = 0; j < nh; ++j)
-                            for (int i = 0; i < TOKENS; ++i) s[j * score_row + i] *= k_page_scale[kvh];
-                    h += nh;
-                }
+                for (int h = kvh * group; h < (kvh + 1) * group; ++h)
+                    prefetch_part(next_k, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                score_heads(format, TOKENS, kvh * group, (kvh + 1) * group, qs, row, k, ks,
+                            format == KV_F8 ? k_page_scale[kvh] : 1.0f, head_dim, scores + t, score_row);
             }
         }
         prefetch_part(next_k, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
@@ -224,19 +246,8 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
                 const void *k[1] = {k_page + t * cache_stride_token + kvh * cache_stride_head};
                 const float *ks[1] = {format == KV_I8 ? k_page_scale + t * scale_token + kvh * scale_head : NULL};
-                for (int h = kvh * group; h < (kvh + 1) * group;) {
-                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
-                    float *s = scores + h * score_row + t;
-                    if (nh == KV_HEADS_PER_PASS)
-                        score_rows(format, KV_HEADS_PER_PASS, 1, qs + h * row, row, k, format == KV_I8 ? ks : NULL,
-                                   head_dim, s, score_row);
-                    else
-                        score_rows(format, 1, 1, qs + h * row, row, k, format == KV_I8 ? ks : NULL, head_dim, s,
-                                   score_row);
-                    if (format == KV_F8)
-                        for (int j = 0; j < nh; ++j) s[j * score_row] *= k_page_scale[kvh];
-                    h += nh;
-                }
+                score_heads(format, 1, kvh * group, (kvh + 1) * group, qs, row, k, ks,
+                            format == KV_F8 ? k_page_scale[kvh] : 1.0f, head_dim, scores + t, score_row);
             }
         }
 
@@ -285,20 +296,10 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
                     v[i] = v_page + (t + i) * cache_stride_token + kvh * cache_stride_head;
                     vs[i] = format == KV_I8 ? v_page_scale + (t + i) * scale_token + kvh * scale_head : NULL;
                 }
-                const float p_scale = format == KV_F8 ? v_page_scale[kvh] : 1.0f;
-                for (int h = kvh * group; h < (kvh + 1) * group;) {
-                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
-                    for (int j = h; j < h + nh; ++j)
-                        prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, j, num_q_heads);
-                    const float *p = scores + h * score_row + t;
-                    if (nh == KV_HEADS_PER_PASS)
-                        accumulate_rows(format, KV_HEADS_PER_PASS, TOKENS, acc + h * row, row, p, score_row, p_scale,
-                                        v, format == KV_I8 ? vs : NULL, head_dim);
-                    else
-                        accumulate_rows(format, 1, TOKENS, acc + h * row, row, p, score_row, p_scale, v,
-                                        format == KV_I8 ? vs : NULL, head_dim);
-                    h += nh;
-                }
+                for (int h = kvh * group; h < (kvh + 1) * group; ++h)
+                    prefetch_part(next_v, cache_stride_token, t, t + TOKENS, next_tokens, h, num_q_heads);
+                accumulate_heads(format, TOKENS, kvh * group, (kvh + 1) * group, acc, row, scores + t, score_row,
+                                 format == KV_F8 ? v_page_scale[kvh] : 1.0f, v, vs, head_dim);
             }
         }
         prefetch_part(next_v, cache_stride_token, t, next_tokens, next_tokens, 0, 1);
@@ -306,18 +307,8 @@ static ALWAYS_INLINE void attend_span(const Attention *A, const Span *span, int 
             for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
                 const void *v[1] = {v_page + t * cache_stride_token + kvh * cache_stride_head};
                 const float *vs[1] = {format == KV_I8 ? v_page_scale + t * scale_token + kvh * scale_head : NULL};
-                const float p_scale = format == KV_F8 ? v_page_scale[kvh] : 1.0f;
-                for (int h = kvh * group; h < (kvh + 1) * group;) {
-                    const int nh = (kvh + 1) * group - h >= KV_HEADS_PER_PASS ? KV_HEADS_PER_PASS : 1;
-                    const float *p = scores + h * score_row + t;
-                    if (nh == KV_HEADS_PER_PASS)
-                        accumulate_rows(format, KV_HEADS_PER_PASS, 1, acc + h * row, row, p, score_row, p_scale, v,
-                                        format == KV_I8 ? vs : NULL, head_dim);
-                    else
-                        accumulate_rows(format, 1, 1, acc + h * row, row, p, score_row, p_scale, v,
-                                        format == KV_I8 ? vs : NULL, head_dim);
-                    h += nh;
-                }
+                accumulate_heads(format, 1, kvh * group, (kvh + 1) * group, acc, row, scores + t, score_row,
+                                 format == KV_F8 ? v_page_scale[kvh] : 1.0f, v, vs, head_dim);
             }
         }
     }
